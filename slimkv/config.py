@@ -1,0 +1,232 @@
+"""One YAML file configures the whole engine.
+
+Every section is a slotted dataclass validated in ``__post_init__``; ``Config.from_dict``
+rejects unknown keys with a message that names the full key path, so a typo never
+silently falls back to a default (the failure mode that bit vLLM users whose
+``kv_cache_dtype`` was ignored).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+KV_DTYPES = (
+    "auto", "float32", "float16", "bfloat16",
+    "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "int4",
+)
+EVICT_POLICIES = ("lru_block", "fifo")
+SCHEDULER_POLICIES = ("weighted", "fcfs")
+DEFAULT_CONFIG_PATH = Path(__file__).parent / "configs" / "default.yaml"
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is invalid; the message names the key."""
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def _check_choice(value: Any, choices: tuple[str, ...], key: str) -> None:
+    _check(value in choices, key, f"unknown value {value!r}; choose one of {', '.join(choices)}")
+
+
+def _check_fraction(value: float, key: str, *, allow_zero: bool = False) -> None:
+    low_ok = value >= 0 if allow_zero else value > 0
+    _check(isinstance(value, (int, float)) and low_ok and value <= 1, key,
+           f"must be a number in {'[0' if allow_zero else '(0'}, 1], got {value!r}")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Which model to serve. ``path`` None means the embedded SmolLM2-135M-Instruct GGUF."""
+
+    path: str | None = None
+    dtype: str = "float32"
+    device: str = "auto"
+    max_model_len: int | None = None
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice(self.dtype, MODEL_DTYPES, "model.dtype")
+        _check(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
+               "model.device", f"expected auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.max_model_len is not None:
+            _check(isinstance(self.max_model_len, int) and self.max_model_len > 0,
+                   "model.max_model_len", "must be a positive integer")
+
+
+@dataclass(slots=True)
+class KVCacheConfig:
+    """The paged KV pool: its size, element formats and eviction policy."""
+
+    dtype: str = "int8"
+    k_dtype: str | None = None
+    v_dtype: str | None = None
+    paged: bool = True
+    block_size: int = 16
+    memory_gb: float | None = 1.0
+    num_blocks: int | None = None
+    max_concurrency_soft: int = 48
+    evict_policy: str = "lru_block"
+    enable_prefix_caching: bool = True
+    watermark: float = 0.7
+    watermark_hysteresis: float = 0.05
+    strict: bool = True
+
+    def __post_init__(self) -> None:
+        _check_choice(self.dtype, KV_DTYPES, "kv_cache.dtype")
+        for key in ("k_dtype", "v_dtype"):
+            value = getattr(self, key)
+            if value is not None:
+                _check_choice(value, KV_DTYPES, f"kv_cache.{key}")
+        _check(isinstance(self.paged, bool), "kv_cache.paged", "must be true or false")
+        _check(isinstance(self.block_size, int) and 1 <= self.block_size <= 256
+               and self.block_size & (self.block_size - 1) == 0,
+               "kv_cache.block_size", f"must be a power of two in [1, 256], got {self.block_size!r}")
+        _check(self.memory_gb is not None or self.num_blocks is not None,
+               "kv_cache.memory_gb", "set memory_gb or num_blocks")
+        if self.num_blocks is not None:
+            _check(isinstance(self.num_blocks, int) and self.num_blocks > 0,
+                   "kv_cache.num_blocks", "must be a positive integer")
+        elif self.memory_gb is not None:
+            _check(isinstance(self.memory_gb, (int, float)) and self.memory_gb > 0,
+                   "kv_cache.memory_gb", "must be a positive number of GiB")
+        _check(isinstance(self.max_concurrency_soft, int) and self.max_concurrency_soft > 0,
+               "kv_cache.max_concurrency_soft", "must be a positive integer")
+        _check_choice(self.evict_policy, EVICT_POLICIES, "kv_cache.evict_policy")
+        _check_fraction(self.watermark, "kv_cache.watermark")
+        _check_fraction(self.watermark_hysteresis, "kv_cache.watermark_hysteresis", allow_zero=True)
+
+    @property
+    def key_dtype(self) -> str:
+        return self.k_dtype or self.dtype
+
+    @property
+    def value_dtype(self) -> str:
+        return self.v_dtype or self.dtype
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Per-step token budget and admission policy."""
+
+    policy: str = "weighted"
+    max_num_batched_tokens: int = 512
+    long_request_blocks: int = 64
+    slow_lane_block_share: float = 0.5
+    slow_lane_token_share: float = 0.5
+    max_queue: int | None = None
+    queue_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice(self.policy, SCHEDULER_POLICIES, "scheduler.policy")
+        _check(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens > 0,
+               "scheduler.max_num_batched_tokens", "must be a positive integer")
+        _check(isinstance(self.long_request_blocks, int) and self.long_request_blocks > 0,
+               "scheduler.long_request_blocks", "must be a positive integer")
+        _check_fraction(self.slow_lane_block_share, "scheduler.slow_lane_block_share")
+        _check_fraction(self.slow_lane_token_share, "scheduler.slow_lane_token_share")
+        if self.max_queue is not None:
+            _check(isinstance(self.max_queue, int) and self.max_queue >= 0,
+                   "scheduler.max_queue", "must be a non-negative integer")
+        if self.queue_timeout_s is not None:
+            _check(isinstance(self.queue_timeout_s, (int, float)) and self.queue_timeout_s > 0,
+                   "scheduler.queue_timeout_s", "must be a positive number of seconds")
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """HTTP front end."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.port, int) and 0 <= self.port < 65536,
+               "server.port", f"must be a TCP port number, got {self.port!r}")
+        _check(isinstance(self.max_body_bytes, int) and self.max_body_bytes > 0,
+               "server.max_body_bytes", "must be a positive integer")
+
+
+@dataclass(slots=True)
+class CanaryConfig:
+    """Shadow a fraction of live requests through a reference KV dtype."""
+
+    fraction: float = 0.0
+    reference_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        _check_fraction(self.fraction, "canary.fraction", allow_zero=True)
+        _check_choice(self.reference_dtype, KV_DTYPES, "canary.reference_dtype")
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "kv_cache": KVCacheConfig,
+    "scheduler": SchedulerConfig,
+    "server": ServerConfig,
+    "canary": CanaryConfig,
+}
+
+
+@dataclass(slots=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    canary: CanaryConfig = field(default_factory=CanaryConfig)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> Config:
+        data = data or {}
+        _check(isinstance(data, dict), "<root>", "the config must be a mapping of sections")
+        _reject_unknown(data, _SECTIONS, "")
+        sections = {}
+        for name, section_cls in _SECTIONS.items():
+            values = data.get(name) or {}
+            _check(isinstance(values, dict), name, "must be a mapping")
+            known = {f.name for f in dataclasses.fields(section_cls)}
+            _reject_unknown(values, known, f"{name}.")
+            sections[name] = section_cls(**values)
+        return cls(**sections)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> Config:
+        """Load a YAML file; ``None`` loads the embedded default config."""
+        path = Path(path) if path is not None else DEFAULT_CONFIG_PATH
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        return cls.from_dict(data)
+
+    def replace(self, section: str, **changes: Any) -> Config:
+        """A copy with some keys of one section changed (validated again)."""
+        sections = {name: getattr(self, name) for name in _SECTIONS}
+        sections[section] = dataclasses.replace(sections[section], **changes)
+        return Config(**sections)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in _SECTIONS}
+
+
+def _reject_unknown(values: dict[str, Any], known: Any, prefix: str) -> None:
+    for key in values:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), list(known), n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            raise ConfigError(f"{prefix}{key}: unknown key{hint}")

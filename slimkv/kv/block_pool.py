@@ -1,0 +1,195 @@
+"""Block bookkeeping for the paged KV pool, in plain Python.
+
+The pool never touches tensors: it hands out block ids, counts references and keeps
+prefix-cached blocks findable by their chained hash. Free blocks sit in doubly-linked
+queues threaded through the ``Block`` objects, so taking a cached block back out of the
+free queue on a prefix hit is O(1) (as in vLLM v1). Eviction is lazy: a free block keeps
+its hash, and so stays reusable, until it is handed out again.
+
+Two free queues give the case's eviction rule (MISSION item 6): blocks at the head of a
+live multi-turn session go to ``protected`` and are evicted only once every other free
+block is gone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Hashable
+
+BlockHash = tuple[int, tuple[int, ...]]  # (parent hash value, token ids): chained prefix key
+
+
+def hash_block(parent: BlockHash | None, token_ids: Iterable[int]) -> BlockHash:
+    """Key of a full block: its own tokens chained to the key of the block before it."""
+    return (hash(parent) if parent is not None else 0, tuple(token_ids))
+
+
+class Block:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "alloc_seq", "session_head",
+                 "last_used", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.alloc_seq = 0  # when the block was last handed out empty (fifo order)
+        self.session_head: Hashable | None = None  # session whose head this block holds
+        self.last_used = 0  # logical clock of the last allocation, hit or free
+        self.prev_free: Block | None = None
+        self.next_free: Block | None = None
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_cnt})"
+
+
+class FreeBlockQueue:
+    """Doubly-linked list of free blocks; the head is evicted first."""
+
+    def __init__(self, blocks: Iterable[Block] = ()) -> None:
+        self._head = Block(-1)
+        self._tail = Block(-1)
+        self._head.next_free, self._tail.prev_free = self._tail, self._head
+        self.num_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> Block:
+        block = self._head.next_free
+        if block is self._tail:
+            raise IndexError("no free block")
+        self.remove(block)
+        return block
+
+    def remove(self, block: Block) -> None:
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_blocks -= 1
+
+    def append(self, block: Block) -> None:
+        self._insert_after(self._tail.prev_free, block)
+
+    def insert_by_alloc_seq(self, block: Block) -> None:
+        """Keep the queue ordered by first allocation (the ``fifo`` policy)."""
+        after = self._tail.prev_free
+        while after is not self._head and after.alloc_seq > block.alloc_seq:
+            after = after.prev_free
+        self._insert_after(after, block)
+
+    def _insert_after(self, after: Block, block: Block) -> None:
+        block.prev_free, block.next_free = after, after.next_free
+        after.next_free.prev_free = block
+        after.next_free = block
+        self.num_blocks += 1
+
+    def __iter__(self) -> Iterator[Block]:
+        block = self._head.next_free
+        while block is not self._tail:
+            yield block
+            block = block.next_free
+
+    def __len__(self) -> int:
+        return self.num_blocks
+
+
+class BlockPool:
+    """All blocks of the pool with ref counts, a prefix-cache index and free queues."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 evict_policy: str = "lru_block") -> None:
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.protected = FreeBlockQueue()
+        self.cached: dict[BlockHash, Block] = {}
+        self.enable_caching = enable_caching
+        self.evict_policy = evict_policy
+        self.num_evictions = 0
+        self._clock = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue) + len(self.protected)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by live sequences (free cached blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def get_new_blocks(self, n: int) -> list[Block]:
+        """Hand out ``n`` empty blocks, evicting the cached content of reused ones."""
+        if n > self.num_free_blocks:
+            raise ValueError(f"asked for {n} blocks, {self.num_free_blocks} free")
+        out = []
+        for _ in range(n):
+            queue = self.free_queue if len(self.free_queue) else self.protected
+            block = queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            block.alloc_seq = block.last_used = self.tick()
+            out.append(block)
+        return out
+
+    def get_cached_block(self, block_hash: BlockHash) -> Block | None:
+        return self.cached.get(block_hash) if self.enable_caching else None
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Take a reference on prefix-hit blocks, pulling free ones out of their queue."""
+        now = self.tick()
+        for block in blocks:
+            if block.ref_cnt == 0:
+                (self.protected if block.session_head is not None else self.free_queue).remove(block)
+            block.ref_cnt += 1
+            block.last_used = now
+
+    def cache_block(self, block: Block, block_hash: BlockHash) -> None:
+        """Index a full block by its chained hash (first writer wins on duplicates)."""
+        if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def free_blocks(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference from each block; blocks reaching zero join a free queue in
+        the order given (callers pass a sequence's blocks tail-first)."""
+        now = self.tick()
+        for block in blocks:
+            block.ref_cnt -= 1
+            block.last_used = now
+            if block.ref_cnt > 0:
+                continue
+            if block.session_head is not None:
+                self.protected.append(block)
+            elif self.evict_policy == "fifo":
+                self.free_queue.insert_by_alloc_seq(block)
+            else:
+                self.free_queue.append(block)
+
+    def set_session_head(self, blocks: Iterable[Block], session: Hashable | None) -> None:
+        """Mark (or with ``None`` unmark) blocks as the head of a live session."""
+        if self.evict_policy != "lru_block":
+            return
+        for block in blocks:
+            if block.session_head == session:
+                continue
+            if block.ref_cnt == 0:
+                old = self.protected if block.session_head is not None else self.free_queue
+                old.remove(block)
+                block.session_head = session
+                (self.protected if session is not None else self.free_queue).append(block)
+            else:
+                block.session_head = session
+
+    def _evict(self, block: Block) -> None:
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            block.block_hash = None
+            self.num_evictions += 1
+        block.session_head = None

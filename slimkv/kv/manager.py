@@ -1,0 +1,115 @@
+"""Per-sequence block tables on top of the block pool: prefix hits, growth, release."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Hashable
+
+from slimkv.kv.block_pool import Block, BlockHash, BlockPool, hash_block
+from slimkv.sequence import Sequence
+
+
+@dataclass(slots=True)
+class _Session:
+    head_tokens: int                  # the first turn's prompt: system prompt + document
+    last_seen: float
+    head_blocks: list[Block] = field(default_factory=list)
+
+
+class KVCacheManager:
+    """Allocates blocks as a sequence's tokens arrive and returns them when it ends.
+
+    Only full blocks are hashed and shared. A sequence's blocks go back tail-first, so
+    under ``lru_block`` the head of its context is the last of its blocks to be evicted;
+    the head of a live session (``session_id`` given, seen within ``session_ttl_s``) is
+    protected until every other free block is used.
+    """
+
+    def __init__(self, pool: BlockPool, block_size: int, session_ttl_s: float = 600.0) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.session_ttl_s = session_ttl_s
+        self.sessions: dict[Hashable, _Session] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}
+        self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_prefix_hits = 0     # of those, tokens found
+
+    def get_computed_blocks(self, seq: Sequence) -> list[Block]:
+        """Longest run of cached full blocks at the start of the sequence's tokens.
+
+        At least one token is always left to compute, since its logits are needed."""
+        hashes = self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
+        hits: list[Block] = []
+        for block_hash in hashes:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.num_prefix_queries += seq.num_tokens
+        self.num_prefix_hits += len(hits) * self.block_size
+        return hits
+
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int,
+                          computed: list[Block] = ()) -> int:
+        total = seq.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        held = len(seq.blocks) + len(computed)
+        return max(0, -(-total // self.block_size) - held)
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, computed: list[Block] = ()) -> bool:
+        free_hits = sum(1 for b in computed if b.ref_cnt == 0)
+        need = self.num_blocks_needed(seq, num_new_tokens, computed)
+        return need + free_hits <= self.pool.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, computed: list[Block] = ()) -> None:
+        """Give ``seq`` room for ``num_new_tokens`` more tokens (check ``can_allocate`` first)."""
+        if computed:
+            self.pool.touch(computed)
+            seq.blocks.extend(computed)
+            seq.num_computed_tokens += len(computed) * self.block_size
+            seq.num_cached_tokens = len(computed) * self.block_size
+        need = self.num_blocks_needed(seq, num_new_tokens)
+        seq.blocks.extend(self.pool.get_new_blocks(need))
+
+    def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Flat slot ids (block_id * block_size + offset) of token positions [start, end)."""
+        bs = self.block_size
+        return [seq.blocks[p // bs].block_id * bs + p % bs for p in range(start, end)]
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Index the blocks whose tokens are all computed by their chained hash."""
+        num_full = seq.num_computed_tokens // self.block_size
+        for block, block_hash in zip(seq.blocks[:num_full], self._block_hashes(seq, num_full)):
+            self.pool.cache_block(block, block_hash)
+
+    def free(self, seq: Sequence) -> None:
+        """Return a sequence's blocks tail-first and forget it."""
+        if seq.session_id is not None:
+            self._remember_session(seq)
+        self.pool.free_blocks(reversed(seq.blocks))
+        seq.blocks = []
+        self._hashes.pop(seq.request_id, None)
+
+    def expire_sessions(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for sid in [s for s, info in self.sessions.items()
+                    if now - info.last_seen > self.session_ttl_s]:
+            info = self.sessions.pop(sid)
+            self.pool.set_session_head([b for b in info.head_blocks if b.session_head == sid], None)
+
+    def _remember_session(self, seq: Sequence) -> None:
+        info = self.sessions.setdefault(seq.session_id, _Session(seq.num_prompt_tokens, 0.0))
+        info.last_seen = time.monotonic()
+        num_full = min(info.head_tokens, seq.num_computed_tokens) // self.block_size
+        info.head_blocks = [b for b in seq.blocks[:num_full] if b.block_hash is not None]
+        self.pool.set_session_head(info.head_blocks, seq.session_id)
+
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
+        """Chained hashes of the first ``num_blocks`` full blocks, memoised per sequence."""
+        hashes = self._hashes.setdefault(seq.request_id, [])
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else None,
+                                     seq.token_ids[i * bs:(i + 1) * bs]))
+        return hashes[:num_blocks]
