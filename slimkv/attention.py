@@ -1,0 +1,152 @@
+"""Paged attention over the quantized KV pool.
+
+Every layer call first writes the step's new K/V into the pool, then attends each query
+over its sequence's KV read back *from the pool*. Prefill chunks, prefix-cached blocks and
+decodes therefore all see the same quantized values, and the result does not depend on how
+a prompt was chunked.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from slimkv.kv.cache import PagedKVCache
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where a step's tokens go and what each sequence attends to.
+
+    The step's tokens are laid out sequence after sequence: sequence ``i`` owns query rows
+    ``query_start_loc[i]:query_start_loc[i+1]``; they are the *last* ``query_lens[i]`` tokens
+    of its ``seq_lens[i]``-token context, whose KV lives in the blocks ``block_tables[i]``.
+    """
+
+    slot_mapping: torch.Tensor      # [T] int64: block_id * block_size + offset of each new token
+    query_start_loc: list[int]      # [B + 1] cumulative query lengths
+    query_lens: list[int]           # [B] new tokens per sequence this step
+    seq_lens: list[int]             # [B] context length per sequence after this step
+    block_tables: torch.Tensor      # [B, max_blocks] int64, padded with 0 past each table's end
+    seq_lens_t: torch.Tensor        # [B] int64, seq_lens on the device
+
+
+def _context_mask(seq_lens: Tensor, query_len: int, num_keys: int) -> Tensor:
+    """``[B, query_len, num_keys]`` bool, True where a query may attend a key.
+
+    Query ``i`` of a sequence of length ``L`` sits at absolute position ``L - query_len + i``
+    and sees keys at or before it, so padding past ``L`` (block tails, padded block tables
+    of shorter sequences) is never attended.
+    """
+    query_pos = seq_lens[:, None] - query_len + torch.arange(query_len, device=seq_lens.device)
+    key_pos = torch.arange(num_keys, device=seq_lens.device)
+    return key_pos[None, None, :] <= query_pos[:, :, None]
+
+
+def _read_context(cache: PagedKVCache, layer: int, block_tables: Tensor, max_len: int,
+                  dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """K and V ``[B, num_blocks * block_size, H_kv, D]`` of just the blocks covering ``max_len``."""
+    num_blocks = -(-max_len // cache.block_size)
+    return cache.read(layer, block_tables[:, :num_blocks], dtype)
+
+
+def _gqa_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Masked attention for ``q [B, n, Hq, D]`` over ``k, v [B, L, H_kv, D]``, ``mask [B, n, L]``.
+
+    The ``Hq // H_kv`` query heads sharing a KV head are folded into the query axis, so each
+    KV head is used as is (no repeat_interleave copy of K/V) in a single SDPA call.
+    """
+    batch, n, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    q = q.view(batch, n, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(batch, num_kv_heads, group * n, head_dim)
+    mask = mask.unsqueeze(1).expand(batch, group, n, -1).reshape(batch, 1, group * n, -1)
+    out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask, scale=scale)
+    out = out.view(batch, num_kv_heads, group, n, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(batch, n, num_heads, head_dim)
+
+
+def reference_paged_attention(cache: PagedKVCache, layer: int, q: Tensor, meta: AttentionMetadata,
+                              scale: float, dtype: torch.dtype) -> Tensor:
+    """Plain per-sequence attention over the cached KV, softmax in float32.
+
+    Reads the pool only (the step's K/V must already be written). Kept simple on purpose:
+    it is the oracle that the fast path and future kernels are checked against.
+    """
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    group = q.shape[1] // cache.num_kv_heads
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens)):
+        rows = slice(meta.query_start_loc[i], meta.query_start_loc[i] + q_len)
+        k, v = _read_context(cache, layer, meta.block_tables[i:i + 1], seq_len, torch.float32)
+        k = k[0, :seq_len].repeat_interleave(group, dim=1)
+        v = v[0, :seq_len].repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[rows].float(), k) * scale
+        mask = _context_mask(meta.seq_lens_t[i:i + 1], q_len, seq_len)
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        out[rows] = torch.einsum("hqk,khd->qhd", probs, v).to(dtype)
+    return out
+
+
+class PagedAttention:
+    """Cache write + attention for one model's layers, sharing one :class:`PagedKVCache`.
+
+    The fast path runs all decodes (query_len 1) of a step as one batched SDPA over their
+    gathered block tables, and each prefill (chunk) as one SDPA with an offset causal mask.
+    ``fast=False`` runs :func:`reference_paged_attention` instead. ``path_counts`` counts,
+    per layer call, each path taken.
+    """
+
+    def __init__(self, cache: PagedKVCache, num_heads: int, scale: float, dtype: torch.dtype,
+                 fast: bool = True) -> None:
+        if num_heads % cache.num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of "
+                             f"num_kv_heads={cache.num_kv_heads}")
+        self.cache = cache
+        self.num_heads = num_heads
+        self.scale = scale
+        self.dtype = dtype
+        self.fast = fast
+        self.path_counts: Counter[str] = Counter()
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
+        """``q [T, num_heads, D]``, ``k, v [T, H_kv, D]`` -> ``[T, num_heads, D]`` in ``dtype``."""
+        self.cache.write(layer, meta.slot_mapping, k, v)
+        if not self.fast:
+            self.path_counts["reference"] += 1
+            return reference_paged_attention(self.cache, layer, q, meta, self.scale, self.dtype)
+        q = q.to(self.dtype)
+        out = torch.empty_like(q)
+        decodes = [i for i, n in enumerate(meta.query_lens) if n == 1]
+        prefills = [i for i, n in enumerate(meta.query_lens) if n > 1]
+        if decodes:
+            self.path_counts["fast_decode"] += 1
+            self._decode(layer, q, meta, decodes, out)
+        if prefills:
+            self.path_counts["fast_prefill"] += 1
+        for i in prefills:
+            self._prefill(layer, q, meta, i, out)
+        return out
+
+    def _decode(self, layer: int, q: Tensor, meta: AttentionMetadata, seqs: list[int],
+                out: Tensor) -> None:
+        """All single-token queries at once; the key-padding mask comes from seq_lens."""
+        rows = torch.tensor([meta.query_start_loc[i] for i in seqs], device=q.device)
+        index = torch.tensor(seqs, device=meta.block_tables.device)
+        max_len = max(meta.seq_lens[i] for i in seqs)
+        k, v = _read_context(self.cache, layer, meta.block_tables[index], max_len, self.dtype)
+        mask = _context_mask(meta.seq_lens_t[index], 1, k.shape[1])
+        out[rows] = _gqa_sdpa(q[rows].unsqueeze(1), k, v, mask, self.scale).squeeze(1)
+
+    def _prefill(self, layer: int, q: Tensor, meta: AttentionMetadata, i: int, out: Tensor) -> None:
+        """One prompt (chunk) attending its cached prefix and itself, causally."""
+        rows = slice(meta.query_start_loc[i], meta.query_start_loc[i] + meta.query_lens[i])
+        k, v = _read_context(self.cache, layer, meta.block_tables[i:i + 1], meta.seq_lens[i],
+                             self.dtype)
+        mask = _context_mask(meta.seq_lens_t[i:i + 1], meta.query_lens[i], k.shape[1])
+        out[rows] = _gqa_sdpa(q[rows].unsqueeze(0), k, v, mask, self.scale).squeeze(0)
