@@ -1,0 +1,14 @@
+"""slimkv: an LLM serving engine with a paged, quantized KV cache."""
+
+from slimkv.config import Config
+from slimkv.sampling import SamplingParams
+
+__all__ = ["LLM", "Config", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and the model; import it only when asked for.
+    if name == "LLM":
+        from slimkv.llm import LLM
+        return LLM
+    raise AttributeError(name)

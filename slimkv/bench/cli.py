@@ -1,0 +1,42 @@
+"""``slimkv bench ...`` commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from slimkv.cli import add_config_args, config_from_args
+
+
+def _csv(kind: type):
+    return lambda text: [kind(x) for x in text.split(",") if x]
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks that write JSON").add_subparsers(
+        dest="bench", required=True)
+    p = bench.add_parser("engine", help="prefill and decode tokens/s per KV dtype")
+    add_config_args(p)
+    p.add_argument("--kv-dtypes", type=_csv(str), default=["bfloat16", "int8", "fp8", "int4"])
+    p.add_argument("--prompt-lens", type=_csv(int), default=[512, 2048])
+    p.add_argument("--batches", type=_csv(int), default=[1, 8, 32])
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--out", default="bench/results/engine.json", help="JSON file to write")
+    p.add_argument("--json", action="store_true", help="also print the JSON")
+    p.set_defaults(func=cmd_bench_engine)
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    from slimkv.bench.engine import bench_engine
+
+    result = bench_engine(config_from_args(args), args.kv_dtypes, args.prompt_lens,
+                          args.batches, args.context, args.new_tokens)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    return 0

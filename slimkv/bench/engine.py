@@ -1,0 +1,81 @@
+"""``slimkv bench engine``: prefill and decode throughput of the engine per KV dtype."""
+
+from __future__ import annotations
+
+import platform
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+
+from slimkv.config import Config
+from slimkv.engine import LLMEngine
+from slimkv.sampling import SamplingParams
+
+
+def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
+    """Seeded random token ids, away from the special tokens at the start of the vocab."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(256, vocab, (length,), generator=gen).tolist()
+
+
+def run_until_done(engine: LLMEngine) -> None:
+    while engine.has_unfinished():
+        engine.step()
+
+
+def measure_prefill(engine: LLMEngine, length: int) -> float:
+    """Prompt tokens per second for one prompt of ``length`` tokens (chunked by the budget)."""
+    prompt = random_prompt(length, engine.model_args.vocab_size, seed=length)
+    start = time.perf_counter()
+    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    run_until_done(engine)
+    return length / (time.perf_counter() - start)
+
+
+def measure_decode(engine: LLMEngine, batch: int, context: int, new_tokens: int) -> float:
+    """Generated tokens per second, all ``batch`` sequences decoding together at ``context``."""
+    params = SamplingParams(max_tokens=new_tokens + 1, temperature=0, ignore_eos=True)
+    seqs = [engine.add_request(random_prompt(context, engine.model_args.vocab_size, seed=i), params)
+            for i in range(batch)]
+    while any(s.num_output_tokens == 0 for s in seqs):   # prefill everyone first
+        engine.step()
+    start = time.perf_counter()
+    run_until_done(engine)
+    return batch * new_tokens / (time.perf_counter() - start)
+
+
+def bench_engine(config: Config, kv_dtypes: list[str], prompt_lens: list[int],
+                 batches: list[int], context: int, new_tokens: int) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for dtype in kv_dtypes:
+        cfg = config.replace("kv_cache", dtype=dtype, k_dtype=None, v_dtype=None,
+                             enable_prefix_caching=False, watermark=1.0,
+                             max_concurrency_soft=max(batches))
+        engine = LLMEngine(cfg)
+        row: dict[str, Any] = {"bytes_per_token": engine.bytes_per_token}
+        measure_prefill(engine, 16)  # warm-up
+        for length in prompt_lens:
+            row[f"prefill_{length}_tok_s"] = round(measure_prefill(engine, length), 1)
+        for batch in batches:
+            row[f"decode_b{batch}_ctx{context}_tok_s"] = round(
+                measure_decode(engine, batch, context, new_tokens), 1)
+        print(f"{dtype:>9}: " + ", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+        results[dtype] = row
+    return {"machine": machine_info(), "config": {
+        "model_dtype": config.model.dtype, "block_size": config.kv_cache.block_size,
+        "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+        "context": context, "new_tokens": new_tokens}, "results": results}
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+

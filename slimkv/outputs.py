@@ -1,0 +1,73 @@
+"""What the engine reports per step, and the incremental detokenizer that feeds it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from slimkv.model.tokenizer import Tokenizer
+from slimkv.sequence import Sequence
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """Progress of one request in one engine step (deltas) plus its running totals."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    queue_time: float | None = None   # seconds waiting before first scheduled (set once)
+    ttft: float | None = None         # seconds from arrival to first token (set once)
+    itl: float | None = None          # seconds since this request's previous token
+    e2e: float | None = None          # seconds from arrival to finish (set when finished)
+
+
+class Detokenizer:
+    """Turns a sequence's output ids into text deltas, applying stop strings.
+
+    Text that could be the start of a stop string is held back until it is clear it is
+    not, and a trailing incomplete UTF-8 character is never emitted.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def update(self, seq: Sequence) -> str:
+        """The new text to emit. Sets a ``stop`` finish if a stop string appears; the stop
+        string itself is never part of the output."""
+        emitted = seq.num_emitted_chars
+        text = self.tokenizer.decode(seq.output_token_ids)
+        stops = seq.params.stop
+        if stops:
+            start = max(0, emitted - max(len(s) for s in stops))
+            hits = [(text.find(s, start), s) for s in stops]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                text = text[:min(i for i, _ in hits)]
+                seq.finish_reason = "stop"
+        seq.output_text = text
+        safe = len(text)
+        if seq.finish_reason is None:
+            if text.endswith("\ufffd"):
+                safe = len(text.rstrip("\ufffd"))
+            if stops:
+                safe = min(safe, len(text) - _longest_stop_prefix_suffix(text, stops))
+        seq.num_emitted_chars = max(safe, emitted)
+        return text[emitted:seq.num_emitted_chars]
+
+
+def _longest_stop_prefix_suffix(text: str, stops: list[str]) -> int:
+    """Length of the longest end of ``text`` that begins some stop string."""
+    best = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:k]):
+                best = k
+                break
+    return best
