@@ -1,0 +1,66 @@
+"""Thin wrapper over a Hugging Face tokenizer with the few calls the engine needs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Sequence
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+# End-of-turn / end-of-document markers that stop generation when a model's vocab has them.
+_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
+_QUANT_SUFFIX = re.compile(r"[.-](?:i?q\d\w*|f\d+|bf16)$", re.IGNORECASE)  # ".Q4_1", "-f16"
+
+
+class Tokenizer:
+    def __init__(self, hf: PreTrainedTokenizerBase, name: str,
+                 extra_eos: Iterable[int] = ()) -> None:
+        self.hf = hf
+        self.name = name
+        self.vocab_size: int = len(hf)
+        added = hf.get_added_vocab()  # special tokens live here even when not named as such
+        stops = {added[t] for t in _STOP_TOKENS if t in added}
+        eos = {hf.eos_token_id} if hf.eos_token_id is not None else set()
+        self.eos_token_ids: frozenset[int] = frozenset(eos | stops | set(extra_eos))
+
+    @classmethod
+    def from_gguf(cls, path: str) -> Tokenizer:
+        """Convert the GGUF vocab (~4 s); transformers also takes ``tokenizer.chat_template``."""
+        hf = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".",
+                                           gguf_file=os.path.basename(path))
+        stem = os.path.splitext(os.path.basename(path))[0]
+        return cls(hf, _QUANT_SUFFIX.sub("", stem))
+
+    @classmethod
+    def from_dir(cls, path: str) -> Tokenizer:
+        hf = AutoTokenizer.from_pretrained(path)
+        return cls(hf, os.path.basename(os.path.normpath(path)), _declared_eos(path))
+
+    def encode(self, text: str) -> list[int]:
+        # add_special_tokens lets the tokenizer's own post-processor decide about BOS.
+        return self.hf.encode(text, add_special_tokens=True)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if not self.hf.chat_template:
+            raise ValueError(f"model {self.name!r} has no chat template; "
+                             "send a plain prompt instead")
+        ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                          return_dict=False)
+        return list(ids)
+
+
+def _declared_eos(path: str) -> set[int]:
+    """eos ids from generation_config.json / config.json (an int or a list)."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            with open(file) as f:
+                eos = json.load(f).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return ids
