@@ -112,19 +112,21 @@ def test_prefix_hit_reuses_exact_blocks_and_skips_their_prefill():
 
 
 def test_weighted_lanes_keep_short_requests_moving_behind_a_long_prefill():
+    """One 4K-token prompt first, then 16 short requests; TTFT counted in engine steps."""
     def short_ttft(policy, with_long):
-        sim = Sim(num_blocks=4096, budget=32, policy=policy, long_request_blocks=16)
+        sim = Sim(num_blocks=4096, budget=512, policy=policy, long_request_blocks=64)
         if with_long:
-            sim.add("long", 1024, max_tokens=2)
-        shorts = [sim.add(f"s{i}", 12, max_tokens=2, base=1000 + 50 * i) for i in range(8)]
+            sim.add("long", 4096, max_tokens=8)
+        shorts = [sim.add(f"s{i}", 60, max_tokens=4, base=5000 + 100 * i) for i in range(16)]
         sim.run()
+        assert all(s.is_finished for s in shorts)
         return max(s.first_token_step - s.arrival_step for s in shorts)
 
     alone = short_ttft("weighted", False)
     weighted = short_ttft("weighted", True)
     fcfs = short_ttft("fcfs", True)
     assert weighted <= 3 * alone
-    assert fcfs > 4 * weighted
+    assert fcfs >= 3 * weighted
 
 
 def test_weighted_policy_puts_heavy_requests_in_the_slow_lane():

@@ -50,6 +50,10 @@ class KVCacheManager:
         self.num_prefix_hits += len(hits) * self.block_size
         return hits
 
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks a request of ``num_tokens`` tokens holds at most."""
+        return -(-num_tokens // self.block_size)
+
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int,
                           computed: list[Block] = ()) -> int:
         total = seq.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
