@@ -8,7 +8,8 @@ a prompt was chunked.
 
 from __future__ import annotations
 
-from collections import Counter
+import os
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from slimkv.kv.cache import PagedKVCache
+
+# Set to 0 to force the reference (fallback) path, e.g. to prove `slimkv verify` catches it.
+FAST_ENV = "SLIMKV_ATTENTION_FAST"
 
 
 @dataclass(slots=True)
@@ -98,12 +102,14 @@ class PagedAttention:
 
     The fast path runs all decodes (query_len 1) of a step as one batched SDPA over their
     gathered block tables, and each prefill (chunk) as one SDPA with an offset causal mask.
-    ``fast=False`` runs :func:`reference_paged_attention` instead. ``path_counts`` counts,
-    per layer call, each path taken.
+    ``fast=False`` (default: the ``SLIMKV_ATTENTION_FAST`` environment variable, on unless
+    ``0``) or a KV format the device cannot decode (``fallback_reason``) runs
+    :func:`reference_paged_attention` instead: the fallback. ``path_counts`` counts, per layer
+    call, each path taken; ``layer_path_counts`` the same per layer.
     """
 
     def __init__(self, cache: PagedKVCache, num_heads: int, scale: float, dtype: torch.dtype,
-                 fast: bool = True) -> None:
+                 fast: bool | None = None) -> None:
         if num_heads % cache.num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of "
                              f"num_kv_heads={cache.num_kv_heads}")
@@ -111,24 +117,43 @@ class PagedAttention:
         self.num_heads = num_heads
         self.scale = scale
         self.dtype = dtype
-        self.fast = fast
+        self.fast = os.environ.get(FAST_ENV, "1") != "0" if fast is None else fast
         self.path_counts: Counter[str] = Counter()
+        self.layer_path_counts: defaultdict[int, Counter[str]] = defaultdict(Counter)
+        self.fallback_reason = self._fallback_reason()
+
+    def _fallback_reason(self) -> str | None:
+        """Why the fast quantized path cannot run (None when it can): disabled, or a KV
+        format whose storage this device cannot decode (e.g. fp8 without float8 support)."""
+        if not self.fast:
+            return f"the fast attention path is disabled (fast=False or {FAST_ENV}=0)"
+        for codec in self.cache.codecs.values():
+            probe = torch.zeros(1, codec.head_dim, device=self.cache.device)
+            try:
+                codec.dequantize(codec.quantize(probe), self.dtype)
+            except (RuntimeError, TypeError) as exc:
+                return f"{codec.name} KV cannot be decoded on {self.cache.device}: {exc}"
+        return None
+
+    def _count(self, layer: int, path: str) -> None:
+        self.path_counts[path] += 1
+        self.layer_path_counts[layer][path] += 1
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
         """``q [T, num_heads, D]``, ``k, v [T, H_kv, D]`` -> ``[T, num_heads, D]`` in ``dtype``."""
         self.cache.write(layer, meta.slot_mapping, k, v)
-        if not self.fast:
-            self.path_counts["reference"] += 1
+        if self.fallback_reason is not None:
+            self._count(layer, "reference")
             return reference_paged_attention(self.cache, layer, q, meta, self.scale, self.dtype)
         q = q.to(self.dtype)
         out = torch.empty_like(q)
         decodes = [i for i, n in enumerate(meta.query_lens) if n == 1]
         prefills = [i for i, n in enumerate(meta.query_lens) if n > 1]
         if decodes:
-            self.path_counts["fast_decode"] += 1
+            self._count(layer, "fast_decode")
             self._decode(layer, q, meta, decodes, out)
         if prefills:
-            self.path_counts["fast_prefill"] += 1
+            self._count(layer, "fast_prefill")
         for i in prefills:
             self._prefill(layer, q, meta, i, out)
         return out

@@ -11,12 +11,14 @@ from typing import Hashable
 import torch
 
 from slimkv.attention import AttentionMetadata, PagedAttention
-from slimkv.config import Config
+from slimkv.config import Config, ConfigError
 from slimkv.kv.block_pool import BlockPool
 from slimkv.kv.cache import PagedKVCache
+from slimkv.kv.contiguous import ContiguousKVManager
 from slimkv.kv.manager import KVCacheManager
 from slimkv.model import load_model
 from slimkv.outputs import Detokenizer, RequestOutput
+from slimkv.profiler import activation_peak, weight_bytes
 from slimkv.sampling import Sampler, SamplingParams
 from slimkv.scheduler import Scheduler
 from slimkv.sequence import Sequence, SequenceStatus
@@ -65,11 +67,21 @@ class LLMEngine:
             raise ValueError(f"kv_cache.memory_gb={kv.memory_gb} holds no {kv.block_size}-token block")
         self.cache = PagedKVCache(num_blocks=num_blocks, block_size=kv.block_size,
                                   device=self.device, **shape)
-        self.pool = BlockPool(num_blocks, kv.enable_prefix_caching, kv.evict_policy)
-        self.manager = KVCacheManager(self.pool, kv.block_size)
+        self.pool = BlockPool(num_blocks, kv.enable_prefix_caching and kv.paged, kv.evict_policy)
+        self.manager = (KVCacheManager(self.pool, kv.block_size) if kv.paged else
+                        ContiguousKVManager(self.pool, kv.block_size, self.max_model_len))
         self.scheduler = Scheduler(kv, config.scheduler, self.manager)
         self.attention = PagedAttention(self.cache, args.num_heads, args.head_dim ** -0.5,
                                         self.dtype)
+        if kv.strict and self.attention.fallback_reason:
+            raise ConfigError(
+                f"kv_cache.strict: the {self.k_dtype}/{self.v_dtype} KV cache cannot run its "
+                f"quantized attention path on {self.device}: {self.attention.fallback_reason} "
+                "(set kv_cache.strict: false to serve on the reference path anyway)")
+        self.activation_bytes = activation_peak(
+            args, self.dtype, self.device, k_dtype=self.k_dtype, v_dtype=self.v_dtype,
+            block_size=kv.block_size, num_tokens=config.scheduler.max_num_batched_tokens,
+            num_logit_rows=kv.max_concurrency_soft, max_len=self.max_model_len)
         self.sampler = Sampler()
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
@@ -103,7 +115,7 @@ class LLMEngine:
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the "
                 f"request needs {total} ({len(ids)} in the prompt, {params.max_tokens} to generate)")
-        blocks = -(-total // self.cache.block_size)
+        blocks = self.manager.blocks_for(total)
         if blocks > self.pool.num_blocks:
             raise RequestError(f"the request needs {blocks} KV blocks; the pool has "
                                f"{self.pool.num_blocks}")
@@ -116,6 +128,12 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def memory_split(self) -> dict[str, int]:
+        """Bytes of the weights, the KV pool, and the activation peak of the largest step
+        (measured at start-up, see :mod:`slimkv.profiler`)."""
+        return {"weights": weight_bytes(self.model), "kv_cache": self.cache.nbytes,
+                "activations": self.activation_bytes}
 
     # -- the step ----------------------------------------------------------------------
 
