@@ -1,13 +1,14 @@
-# The two commands: `make run` starts slimkv on the embedded model; `make test` runs the tests.
+# The two commands: `make run` serves the embedded model (OpenAI-compatible API); `make test` runs the tests.
 .PHONY: setup run test test-quick
 
 setup:
 	@./scripts/setup.sh
 
 run: setup
-	.venv/bin/slimkv generate "What is the capital of France?" --chat --kv-dtype int8
+	.venv/bin/slimkv serve    # prints where to point a client: base_url http://127.0.0.1:8000/v1
 
 test: setup
+	@./scripts/test-deps.sh
 	.venv/bin/python -m pytest -q
 
 test-quick: setup

@@ -1,0 +1,132 @@
+"""The FastAPI app: OpenAI-shaped routes over an :class:`AsyncEngine`.
+
+Bodies are read and parsed here rather than by FastAPI, so that an oversized body, bytes
+that are not UTF-8 and malformed JSON each get their own OpenAI-style error (413/400)
+before the schema is checked (422).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from pydantic import BaseModel, ValidationError
+
+from slimkv.config import Config, ServerConfig
+from slimkv.engine import LLMEngine
+from slimkv.server.async_engine import AsyncEngine, GenerateRequest
+from slimkv.server.errors import APIError, install_error_handlers, validation_error
+from slimkv.server.metrics import CONTENT_TYPE, ServerMetrics
+from slimkv.server.protocol import (ChatCompletionRequest, CompletionRequest, SamplingRequest,
+                                    model_card)
+from slimkv.server.responses import ChatFormat, CompletionFormat, ResponseFormat, respond
+
+DEFAULT_MAX_TOKENS = 512  # when a request sets none: this, or the room left in the context
+Body = TypeVar("Body", bound=BaseModel)
+
+
+async def read_body(request: Request, model: type[Body], max_bytes: int) -> Body:
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max_bytes:
+        raise _too_large(max_bytes)
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > max_bytes:
+            raise _too_large(max_bytes)
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"the request body is not valid UTF-8: {exc}", "invalid_encoding")
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}", "invalid_json")
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", "invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc)
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"the request body is over {max_bytes} bytes (server.max_body_bytes)",
+                    "request_too_large")
+
+
+def bearer_auth(api_key: str | None):
+    """A dependency that demands ``Authorization: Bearer <api_key>`` when a key is set."""
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), api_key):
+            raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)",
+                           "invalid_api_key")
+    return check
+
+
+def create_app(engine: AsyncEngine, server: ServerConfig) -> FastAPI:
+    """The app starts the engine thread on startup and stops it on shutdown."""
+    model_name = engine.engine.model_name
+    max_model_len = engine.engine.max_model_len
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="slimkv", lifespan=lifespan)
+    app.state.model_name = model_name
+    install_error_handlers(app)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(server.api_key))])
+
+    async def generate(body: SamplingRequest, prompt: Any, fmt: ResponseFormat) -> Response:
+        if body.model != model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
+                           f"{model_name!r}", "model_not_found", "model")
+        request = GenerateRequest(
+            fmt.request_id, prompt, isinstance(body, ChatCompletionRequest),
+            lambda n: body.sampling_params(max(1, min(DEFAULT_MAX_TOKENS, max_model_len - n))))
+        return await respond(engine.generate(request), body, fmt)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await read_body(request, ChatCompletionRequest, server.max_body_bytes)
+        messages = [m.as_template_message() for m in body.messages]
+        return await generate(body, messages, ChatFormat(_new_id("chatcmpl"), model_name))
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        body = await read_body(request, CompletionRequest, server.max_body_bytes)
+        return await generate(body, body.prompt, CompletionFormat(_new_id("cmpl"), model_name))
+
+    @v1.get("/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card(model_name, max_model_len)]}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    app.include_router(v1)
+    return app
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def build_app(config: Config) -> FastAPI:
+    """Load the engine for ``config`` and wrap it in the app (the engine thread starts with it)."""
+    llm_engine = LLMEngine(config)
+    engine = AsyncEngine(llm_engine, ServerMetrics(llm_engine.model_name))
+    return create_app(engine, config.server)

@@ -1,0 +1,197 @@
+"""The engine loop behind the HTTP server.
+
+``LLMEngine`` is single-threaded, so one background thread owns it. HTTP handlers never
+touch the engine: they post ``GenerateRequest``s and aborts to an inbox under a condition
+variable. The engine thread drains the inbox before every step (tokenizing, admission
+checks, ``add_request``), steps while there is work, and sleeps on the condition when there
+is none (no busy spin). Each ``RequestOutput`` goes to its request's ``asyncio.Queue``
+through ``loop.call_soon_threadsafe``; errors go the same way as exceptions, which
+:meth:`AsyncEngine.generate` raises in the handler. Requests that arrive while others run
+simply join the running batch at the next step (continuous batching).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from slimkv.engine import LLMEngine, RequestError
+from slimkv.outputs import RequestOutput
+from slimkv.sampling import SamplingParams
+from slimkv.server.errors import APIError, ServerBusy
+from slimkv.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+Messages = list[dict[str, str]]
+Item = RequestOutput | APIError
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """What a handler asks for. Tokenizing happens on the engine thread (the tokenizer is
+    not shared across threads); ``make_params`` gets the prompt length, so the default
+    ``max_tokens`` can depend on the room left in the context window."""
+
+    request_id: str
+    prompt: str | list[int] | Messages
+    chat: bool
+    make_params: Callable[[int], SamplingParams]
+    loop: asyncio.AbstractEventLoop | None = None  # set by AsyncEngine.generate
+    queue: asyncio.Queue[Item] | None = None
+
+    def deliver(self, item: Item) -> None:
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, stall_poll_s: float = 0.05) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.max_queue = engine.config.scheduler.max_queue
+        self.queue_timeout_s = engine.config.scheduler.queue_timeout_s
+        self.stall_poll_s = stall_poll_s
+        self._cond = threading.Condition()
+        self._adds: list[GenerateRequest] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, GenerateRequest] = {}  # owned by the engine thread
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="slimkv-engine", daemon=True)
+        metrics.describe_engine(engine)
+
+    # -- the HTTP side -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join()
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes. Closing the iterator early (the
+        client went away) aborts the request, which frees its KV blocks."""
+        request.loop = asyncio.get_running_loop()
+        request.queue = asyncio.Queue()
+        self._post(lambda: self._adds.append(request))
+        finished = False
+        try:
+            while not finished:
+                item = await request.queue.get()
+                if isinstance(item, APIError):
+                    finished = True  # the engine already dropped it
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._post(lambda: self._aborts.append(request.request_id))
+
+    def _post(self, change: Callable[[], None]) -> None:
+        with self._cond:
+            change()
+            self._cond.notify()
+
+    # -- the engine thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        while self._wait_for_work():
+            with self._cond:
+                adds, self._adds = self._adds, []
+                aborts, self._aborts = self._aborts, []
+            self.metrics.record_aborts(sum(self._abort(rid) for rid in aborts))
+            for request in adds:
+                self._add(request)
+            self._expire_queued()
+            outputs = self._step() if self.engine.has_unfinished() else []
+            for out in outputs:
+                self._deliver(out)
+            self.metrics.update(self.engine, outputs)
+        self._fail_all(APIError(503, "the server is shutting down", "shutting_down"))
+
+    def _wait_for_work(self) -> bool:
+        """Sleep until there is something to do; False when stopping. When only requests
+        that cannot be admitted yet remain, poll slowly (for queue timeouts) instead of spinning."""
+        with self._cond:
+            stalled = self.engine.has_unfinished() and not self.engine.scheduler.num_running()
+            if stalled and not (self._adds or self._aborts):
+                self._cond.wait(self.stall_poll_s)
+            while not (self._adds or self._aborts or self.engine.has_unfinished()
+                       or self._stopping):
+                self._cond.wait()
+            return not self._stopping
+
+    def _add(self, request: GenerateRequest) -> None:
+        waiting = self.engine.scheduler.num_waiting()
+        if self.max_queue is not None and waiting >= self.max_queue:
+            request.deliver(ServerBusy(f"server busy: {waiting} requests already queued "
+                                       f"(scheduler.max_queue={self.max_queue}); retry later"))
+            return
+        try:
+            ids = self._tokenize(request)
+            self.engine.add_request(ids, request.make_params(len(ids)), request.request_id)
+        except RequestError as exc:
+            request.deliver(APIError(400, str(exc), "invalid_prompt"))
+            return
+        except ValueError as exc:
+            request.deliver(APIError(400, str(exc), "invalid_value"))
+            return
+        except Exception:  # a bug must not take the engine thread down
+            log.exception("could not add request %s", request.request_id)
+            request.deliver(APIError(500, "internal error adding the request", "internal_error"))
+            return
+        self._streams[request.request_id] = request
+
+    def _tokenize(self, request: GenerateRequest) -> list[int]:
+        if request.chat:
+            return self.engine.tokenizer.apply_chat_template(request.prompt)
+        if isinstance(request.prompt, str):
+            return self.engine.tokenizer.encode(request.prompt)
+        return list(request.prompt)
+
+    def _abort(self, request_id: str) -> bool:
+        if self._streams.pop(request_id, None) is None:
+            return False
+        self.engine.abort_request(request_id)
+        return True
+
+    def _expire_queued(self) -> None:
+        """``scheduler.queue_timeout_s``: never-scheduled requests waiting longer get 429."""
+        if self.queue_timeout_s is None:
+            return
+        now = time.monotonic()
+        for seq in list(self.engine.scheduler.waiting):
+            if seq.scheduled_time is None and now - seq.arrival_time > self.queue_timeout_s:
+                request = self._streams[seq.request_id]
+                self._abort(seq.request_id)
+                request.deliver(ServerBusy(
+                    f"server busy: the request waited over {self.queue_timeout_s:g} s in the "
+                    "queue (scheduler.queue_timeout_s); retry later"))
+
+    def _step(self) -> list[RequestOutput]:
+        try:
+            return self.engine.step()
+        except Exception:  # a bug, not bad input: fail the batch but keep serving
+            log.exception("engine step failed; aborting %d requests", len(self._streams))
+            self._fail_all(APIError(500, "internal engine error", "internal_error"))
+            return []
+
+    def _deliver(self, out: RequestOutput) -> None:
+        request = self._streams.get(out.request_id)
+        if request is None:
+            return
+        if out.finished:
+            del self._streams[out.request_id]
+        request.deliver(out)
+
+    def _fail_all(self, error: APIError) -> None:
+        for request_id, request in list(self._streams.items()):
+            self._abort(request_id)
+            request.deliver(error)

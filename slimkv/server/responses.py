@@ -1,0 +1,107 @@
+"""Turning a request's stream of engine outputs into an HTTP response: one JSON body, or
+server-sent events (``data: {chunk}`` lines ending with ``data: [DONE]``).
+
+The first output is awaited before any byte is sent, so a request the engine rejects
+(400) or that finds the server busy (429) gets a real error status even when streaming.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import Send
+
+from slimkv.outputs import RequestOutput
+from slimkv.server.protocol import (SamplingRequest, chat_choice, completion_choice,
+                                    response_envelope, usage)
+
+
+@dataclass(slots=True)
+class ResponseFormat:
+    """Shapes outputs as one endpoint's objects; subclasses give the choice layout."""
+
+    request_id: str
+    model: str
+    object_name = ""
+    chunk_object_name = ""
+
+    def choice(self, text: str, finish_reason: str | None, delta: bool, first: bool) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def chunk(self, out: RequestOutput, first: bool = False) -> dict[str, Any]:
+        return response_envelope(self.request_id, self.chunk_object_name, self.model,
+                                 [self.choice(out.new_text, out.finish_reason, True, first)])
+
+    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
+        return response_envelope(self.request_id, self.chunk_object_name, self.model, [],
+                                 usage(out.num_prompt_tokens, out.num_output_tokens))
+
+    def complete(self, out: RequestOutput) -> dict[str, Any]:
+        return response_envelope(self.request_id, self.object_name, self.model,
+                                 [self.choice(out.text, out.finish_reason, False, False)],
+                                 usage(out.num_prompt_tokens, out.num_output_tokens))
+
+
+class ChatFormat(ResponseFormat):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def choice(self, text: str, finish_reason: str | None, delta: bool, first: bool) -> dict[str, Any]:
+        return chat_choice(text, finish_reason, delta=delta, first=first)
+
+
+class CompletionFormat(ResponseFormat):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def choice(self, text: str, finish_reason: str | None, delta: bool, first: bool) -> dict[str, Any]:
+        return completion_choice(text, finish_reason)
+
+
+class EventStream(StreamingResponse):
+    """A streaming response that always closes its body iterator. Starlette stops
+    iterating when the client disconnects but leaves closing the generator to the garbage
+    collector; closing it here aborts the request at once, returning its KV blocks."""
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def respond(outputs: AsyncIterator[RequestOutput], body: SamplingRequest,
+                  fmt: ResponseFormat) -> JSONResponse | EventStream:
+    first = await anext(outputs)
+    if body.stream:
+        return EventStream(_events(first, outputs, fmt, body.include_usage))
+    last = first
+    async for last in outputs:
+        pass
+    return JSONResponse(fmt.complete(last))
+
+
+async def _events(first: RequestOutput, outputs: AsyncIterator[RequestOutput],
+                  fmt: ResponseFormat, include_usage: bool) -> AsyncIterator[str]:
+    try:
+        yield _sse(fmt.chunk(first, first=True))
+        last = first
+        async for last in outputs:
+            yield _sse(fmt.chunk(last))
+        if include_usage:
+            yield _sse(fmt.usage_chunk(last))
+        yield "data: [DONE]\n\n"
+    finally:
+        await outputs.aclose()
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

@@ -1,0 +1,98 @@
+"""Shared fixtures. Server fixtures: a real slimkv server (uvicorn in a background thread)
+on a free local port; one int8 server is shared by the whole session."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from slimkv.config import Config
+
+API_KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    url: str
+    api_key: str | None
+    model: str
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def openai(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key or "none",
+                             max_retries=0, timeout=120)
+
+    def http(self) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=120)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample of /metrics, e.g. ``metric("slimkv:kv_cache_blocks_used")``."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and labels.items() <= sample.labels.items():
+                    return sample.value
+        raise KeyError(f"{name}{labels or ''} not in /metrics")
+
+    def wait_for_metric(self, name: str, want: float, timeout: float = 30.0) -> float:
+        deadline = time.monotonic() + timeout
+        while (value := self.metric(name)) != want and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return value
+
+
+@contextmanager
+def live_server(config: Config) -> Iterator[LiveServer]:
+    from slimkv.server.app import build_app
+
+    port = free_port()
+    config = config.replace("server", port=port)
+    app = build_app(config)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield LiveServer(f"http://127.0.0.1:{port}", config.server.api_key, app.state.model_name)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def small_config(**sections: dict) -> Config:
+    """The embedded default config (int8 KV) with a small KV pool, plus overrides."""
+    config = Config.load().replace("kv_cache", num_blocks=256)
+    for section, changes in sections.items():
+        config = config.replace(section, **changes)
+    return config
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[LiveServer]:
+    """The default int8 server, with an API key (so every test also exercises auth)."""
+    with live_server(small_config(server={"api_key": API_KEY})) as live:
+        yield live
