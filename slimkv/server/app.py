@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 from slimkv.config import Config, ServerConfig
 from slimkv.engine import LLMEngine
 from slimkv.server.async_engine import AsyncEngine, GenerateRequest
+from slimkv.server.dashboard import install_dashboard
 from slimkv.server.errors import APIError, install_error_handlers, validation_error
 from slimkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from slimkv.server.protocol import (ChatCompletionRequest, CompletionRequest, SamplingRequest,
@@ -117,6 +118,7 @@ def create_app(engine: AsyncEngine, server: ServerConfig) -> FastAPI:
     async def metrics() -> Response:
         return Response(engine.metrics.exposition(), media_type=CONTENT_TYPE)
 
+    install_dashboard(app, v1, engine, server.api_key)
     app.include_router(v1)
     return app
 

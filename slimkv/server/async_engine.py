@@ -7,7 +7,9 @@ checks, ``add_request``), steps while there is work, and sleeps on the condition
 is none (no busy spin). Each ``RequestOutput`` goes to its request's ``asyncio.Queue``
 through ``loop.call_soon_threadsafe``; errors go the same way as exceptions, which
 :meth:`AsyncEngine.generate` raises in the handler. Requests that arrive while others run
-simply join the running batch at the next step (continuous batching).
+simply join the running batch at the next step (continuous batching). A handler that needs
+to read engine state (the cache dashboard) posts a function with :meth:`AsyncEngine.call`,
+which the engine thread runs between two steps; ``step_hooks`` run after every step.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from slimkv.engine import LLMEngine, RequestError
 from slimkv.outputs import RequestOutput
@@ -29,6 +32,8 @@ log = logging.getLogger(__name__)
 
 Messages = list[dict[str, str]]
 Item = RequestOutput | APIError
+T = TypeVar("T")
+StepHook = Callable[[LLMEngine, list[RequestOutput]], None]
 
 
 @dataclass(slots=True)
@@ -59,6 +64,8 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._adds: list[GenerateRequest] = []
         self._aborts: list[str] = []
+        self._calls: list[tuple[Callable[[LLMEngine], Any], asyncio.Future[Any]]] = []
+        self.step_hooks: list[StepHook] = []  # run on the engine thread after every step
         self._streams: dict[str, GenerateRequest] = {}  # owned by the engine thread
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="slimkv-engine", daemon=True)
@@ -94,6 +101,13 @@ class AsyncEngine:
             if not finished:
                 self._post(lambda: self._aborts.append(request.request_id))
 
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between two steps and return its result
+        (how a handler reads engine state, e.g. a cache snapshot)."""
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._post(lambda: self._calls.append((fn, future)))
+        return await future
+
     def _post(self, change: Callable[[], None]) -> None:
         with self._cond:
             change()
@@ -106,14 +120,19 @@ class AsyncEngine:
             with self._cond:
                 adds, self._adds = self._adds, []
                 aborts, self._aborts = self._aborts, []
+                calls, self._calls = self._calls, []
             self.metrics.record_aborts(sum(self._abort(rid) for rid in aborts))
             for request in adds:
                 self._add(request)
             self._expire_queued()
+            for fn, future in calls:
+                self._answer(fn, future)
             outputs = self._step() if self.engine.has_unfinished() else []
             for out in outputs:
                 self._deliver(out)
             self.metrics.update(self.engine, outputs)
+            for hook in self.step_hooks:
+                hook(self.engine, outputs)
         self._fail_all(APIError(503, "the server is shutting down", "shutting_down"))
 
     def _wait_for_work(self) -> bool:
@@ -121,12 +140,22 @@ class AsyncEngine:
         that cannot be admitted yet remain, poll slowly (for queue timeouts) instead of spinning."""
         with self._cond:
             stalled = self.engine.has_unfinished() and not self.engine.scheduler.num_running()
-            if stalled and not (self._adds or self._aborts):
+            if stalled and not (self._adds or self._aborts or self._calls):
                 self._cond.wait(self.stall_poll_s)
-            while not (self._adds or self._aborts or self.engine.has_unfinished()
+            while not (self._adds or self._aborts or self._calls or self.engine.has_unfinished()
                        or self._stopping):
                 self._cond.wait()
             return not self._stopping
+
+    def _answer(self, fn: Callable[[LLMEngine], Any], future: asyncio.Future[Any]) -> None:
+        """Run a posted call; its result or exception goes back to the handler's loop."""
+        try:
+            outcome, value = future.set_result, fn(self.engine)
+        except Exception as exc:
+            outcome, value = future.set_exception, exc
+        if not future.get_loop().is_closed():
+            future.get_loop().call_soon_threadsafe(
+                lambda: None if future.done() else outcome(value))  # done: the handler gave up
 
     def _add(self, request: GenerateRequest) -> None:
         waiting = self.engine.scheduler.num_waiting()
