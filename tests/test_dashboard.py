@@ -190,3 +190,24 @@ def test_dashboard_in_a_real_browser_shows_the_pool_under_load(small_pool_server
                 assert browser.save_screenshot(str(SCREENSHOT))
         finally:
             browser.quit()
+
+
+def test_a_sessions_head_is_pinned_between_turns_and_reused(server):
+    document = "The lighthouse on Carrow Point was built in 1861 of grey granite. " * 12
+    turn1 = [{"role": "user", "content": document + "\nSummarise this in one line."}]
+    with server.http() as http:
+        first = http.post("/v1/chat/completions", headers={"X-Session-ID": "doc-42"}, json={
+            "model": server.model, "messages": turn1, "max_tokens": 16, "temperature": 0})
+        assert first.status_code == 200, first.text
+        state = cache_state(server)
+        pinned = [b for b in state["blocks"] if b["state"] == "pinned"]
+        assert pinned and all(b["session"] == "doc-42" for b in pinned)
+        assert state["counts"]["pinned"] == len(pinned)
+        turn2 = turn1 + [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": "When was it built?"}]
+        second = http.post("/v1/chat/completions", json={
+            "model": server.model, "messages": turn2, "max_tokens": 8, "temperature": 0,
+            "session_id": "doc-42"})
+    assert second.status_code == 200, second.text
+    cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= len(pinned) * 16

@@ -86,25 +86,28 @@ def create_app(engine: AsyncEngine, server: ServerConfig) -> FastAPI:
     install_error_handlers(app)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(server.api_key))])
 
-    async def generate(body: SamplingRequest, prompt: Any, fmt: ResponseFormat) -> Response:
+    async def generate(body: SamplingRequest, prompt: Any, fmt: ResponseFormat,
+                       http: Request) -> Response:
         if body.model != model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                            f"{model_name!r}", "model_not_found", "model")
         request = GenerateRequest(
             fmt.request_id, prompt, isinstance(body, ChatCompletionRequest),
-            lambda n: body.sampling_params(max(1, min(DEFAULT_MAX_TOKENS, max_model_len - n))))
+            lambda n: body.sampling_params(max(1, min(DEFAULT_MAX_TOKENS, max_model_len - n))),
+            session_id=body.session_id or http.headers.get("x-session-id") or None)
         return await respond(engine.generate(request), body, fmt)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request, ChatCompletionRequest, server.max_body_bytes)
         messages = [m.as_template_message() for m in body.messages]
-        return await generate(body, messages, ChatFormat(_new_id("chatcmpl"), model_name))
+        return await generate(body, messages, ChatFormat(_new_id("chatcmpl"), model_name), request)
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
         body = await read_body(request, CompletionRequest, server.max_body_bytes)
-        return await generate(body, body.prompt, CompletionFormat(_new_id("cmpl"), model_name))
+        return await generate(body, body.prompt, CompletionFormat(_new_id("cmpl"), model_name),
+                              request)
 
     @v1.get("/models")
     async def models() -> dict[str, Any]:

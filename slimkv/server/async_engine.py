@@ -46,6 +46,7 @@ class GenerateRequest:
     prompt: str | list[int] | Messages
     chat: bool
     make_params: Callable[[int], SamplingParams]
+    session_id: str | None = None
     loop: asyncio.AbstractEventLoop | None = None  # set by AsyncEngine.generate
     queue: asyncio.Queue[Item] | None = None
 
@@ -165,7 +166,8 @@ class AsyncEngine:
             return
         try:
             ids = self._tokenize(request)
-            self.engine.add_request(ids, request.make_params(len(ids)), request.request_id)
+            self.engine.add_request(ids, request.make_params(len(ids)), request.request_id,
+                                    request.session_id)
         except RequestError as exc:
             request.deliver(APIError(400, str(exc), "invalid_prompt"))
             return

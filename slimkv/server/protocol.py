@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
+from slimkv.outputs import RequestOutput
 from slimkv.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4
@@ -32,6 +33,9 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM extension: generate exactly max_tokens
+    # slimkv extension (or the X-Session-ID header): the conversation this turn belongs to;
+    # the head of a live session's context is the last KV the pool evicts.
+    session_id: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("stop")
     @classmethod
@@ -85,13 +89,15 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(out: RequestOutput) -> dict[str, Any]:
+    """OpenAI's usage block; ``cached_tokens`` are prompt tokens served by the prefix cache."""
+    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
+            "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
 
 def response_envelope(request_id: str, obj: str, model: str, choices: list[dict[str, Any]],
-                      usage_: dict[str, int] | None = None) -> dict[str, Any]:
+                      usage_: dict[str, Any] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"id": request_id, "object": obj, "created": int(time.time()),
                             "model": model, "choices": choices}
     if usage_ is not None:

@@ -38,12 +38,12 @@ class ResponseFormat:
 
     def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
         return response_envelope(self.request_id, self.chunk_object_name, self.model, [],
-                                 usage(out.num_prompt_tokens, out.num_output_tokens))
+                                 usage(out))
 
     def complete(self, out: RequestOutput) -> dict[str, Any]:
         return response_envelope(self.request_id, self.object_name, self.model,
                                  [self.choice(out.text, out.finish_reason, False, False)],
-                                 usage(out.num_prompt_tokens, out.num_output_tokens))
+                                 usage(out))
 
 
 class ChatFormat(ResponseFormat):
