@@ -165,10 +165,16 @@ class CanaryConfig:
 
     fraction: float = 0.0
     reference_dtype: str = "float32"
+    memory_gb: float = 0.25
+    max_pending: int = 4
 
     def __post_init__(self) -> None:
         _check_fraction(self.fraction, "canary.fraction", allow_zero=True)
         _check_choice(self.reference_dtype, KV_DTYPES, "canary.reference_dtype")
+        _check(isinstance(self.memory_gb, (int, float)) and self.memory_gb > 0,
+               "canary.memory_gb", "must be a positive number of GiB")
+        _check(isinstance(self.max_pending, int) and self.max_pending > 0,
+               "canary.max_pending", "must be a positive integer")
 
 
 _SECTIONS: dict[str, type] = {

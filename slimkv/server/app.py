@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 from slimkv.config import Config, ServerConfig
 from slimkv.engine import LLMEngine
 from slimkv.server.async_engine import AsyncEngine, GenerateRequest
+from slimkv.server.canary import Canary
 from slimkv.server.dashboard import install_dashboard
 from slimkv.server.errors import APIError, install_error_handlers, validation_error
 from slimkv.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -133,5 +134,7 @@ def _new_id(prefix: str) -> str:
 def build_app(config: Config) -> FastAPI:
     """Load the engine for ``config`` and wrap it in the app (the engine thread starts with it)."""
     llm_engine = LLMEngine(config)
-    engine = AsyncEngine(llm_engine, ServerMetrics(llm_engine.model_name))
-    return create_app(engine, config.server)
+    metrics = ServerMetrics(llm_engine.model_name)
+    canary = (Canary(config, metrics.registry, llm_engine.model_name)
+              if config.canary.fraction > 0 else None)
+    return create_app(AsyncEngine(llm_engine, metrics, canary=canary), config.server)

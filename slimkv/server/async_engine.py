@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from slimkv.engine import LLMEngine, RequestError
 from slimkv.outputs import RequestOutput
 from slimkv.sampling import SamplingParams
+from slimkv.server.canary import Canary
 from slimkv.server.errors import APIError, ServerBusy
 from slimkv.server.metrics import ServerMetrics
 
@@ -47,6 +48,8 @@ class GenerateRequest:
     chat: bool
     make_params: Callable[[int], SamplingParams]
     session_id: str | None = None
+    prompt_ids: list[int] | None = None        # set on the engine thread when admitted
+    params: SamplingParams | None = None
     loop: asyncio.AbstractEventLoop | None = None  # set by AsyncEngine.generate
     queue: asyncio.Queue[Item] | None = None
 
@@ -56,9 +59,11 @@ class GenerateRequest:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, stall_poll_s: float = 0.05) -> None:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, stall_poll_s: float = 0.05,
+                 canary: Canary | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.canary = canary
         self.max_queue = engine.config.scheduler.max_queue
         self.queue_timeout_s = engine.config.scheduler.queue_timeout_s
         self.stall_poll_s = stall_poll_s
@@ -76,12 +81,16 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._thread.start()
+        if self.canary:
+            self.canary.start()
 
     def stop(self) -> None:
         with self._cond:
             self._stopping = True
             self._cond.notify()
         self._thread.join()
+        if self.canary:
+            self.canary.stop()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes. Closing the iterator early (the
@@ -165,8 +174,9 @@ class AsyncEngine:
                                        f"(scheduler.max_queue={self.max_queue}); retry later"))
             return
         try:
-            ids = self._tokenize(request)
-            self.engine.add_request(ids, request.make_params(len(ids)), request.request_id,
+            request.prompt_ids = self._tokenize(request)
+            request.params = request.make_params(len(request.prompt_ids))
+            self.engine.add_request(request.prompt_ids, request.params, request.request_id,
                                     request.session_id)
         except RequestError as exc:
             request.deliver(APIError(400, str(exc), "invalid_prompt"))
@@ -220,6 +230,9 @@ class AsyncEngine:
             return
         if out.finished:
             del self._streams[out.request_id]
+            if self.canary:
+                self.canary.offer(request.prompt_ids, request.params, out.token_ids,
+                                  out.finish_reason)
         request.deliver(out)
 
     def _fail_all(self, error: APIError) -> None:
