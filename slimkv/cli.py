@@ -13,7 +13,7 @@ from typing import Any
 from slimkv.config import KV_DTYPES, Config, ConfigError
 
 COMMAND_MODULES = ("slimkv.cli", "slimkv.bench.cli", "slimkv.server.cli",
-                   "slimkv.profile_cli", "slimkv.eval.cli")
+                   "slimkv.profile_cli", "slimkv.eval.cli", "slimkv.loadtest.cli")
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:

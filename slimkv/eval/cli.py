@@ -1,0 +1,71 @@
+"""``slimkv eval``: accuracy across KV dtypes, with a regression gate on the serving dtype."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from slimkv.cli import add_config_args, config_from_args, print_json
+
+DEFAULT_DTYPES = "float32,bfloat16,int8,fp8,int4"
+
+
+def _csv(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
+
+
+def _percent(text: str) -> float:
+    return float(text.rstrip("%"))
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="perplexity, KL, top-1 and long-context recall per KV dtype")
+    add_config_args(p)
+    p.add_argument("--kv-dtypes", type=_csv, default=_csv(DEFAULT_DTYPES),
+                   help=f"dtypes to evaluate (default {DEFAULT_DTYPES})")
+    p.add_argument("--reference", default="float32", help="reference KV dtype (default float32)")
+    p.add_argument("--suite", choices=("quick", "full"), default="quick")
+    p.add_argument("--serving", type=_csv,
+                   help="dtypes the gate applies to (default: the config's kv_cache.dtype)")
+    p.add_argument("--max-regression", type=_percent, default=1.0,
+                   help="gate: worst allowed regression, e.g. 1%% (perplexity: percent; "
+                        "task accuracy: points)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--out", help="also write the JSON here")
+    p.add_argument("--markdown", help="also write the markdown table here")
+    p.add_argument("--plot", help="write a PNG plot here")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_eval)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from slimkv.eval.harness import SUITES, run_eval
+    from slimkv.eval.report import gate, markdown, text_table, to_json
+
+    config = config_from_args(args)
+    serving = args.serving or [config.kv_cache.dtype]
+    ev = run_eval(config, args.kv_dtypes, SUITES[args.suite], args.reference,
+                  progress=not args.no_progress)
+    result = to_json(ev, serving, args.max_regression)
+    if args.out:
+        _write(args.out, json.dumps(result, indent=2) + "\n")
+    if args.markdown:
+        _write(args.markdown, markdown(ev) + "\n")
+    if args.plot:
+        from slimkv.eval.plot import plot
+
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot(ev, args.plot)
+    if args.json:
+        print_json(result)
+    else:
+        print(text_table(ev))
+        for failure in gate(ev, serving, args.max_regression):
+            print(f"GATE FAILED: {failure}")
+    return 0 if result["gate"]["passed"] else 1
+
+
+def _write(path: str, text: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(text)

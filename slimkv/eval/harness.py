@@ -1,0 +1,127 @@
+"""Run an eval suite: the same model, corpus windows and probes through every KV dtype,
+next-token statistics against a reference dtype, exact-match accuracy per task."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from slimkv.config import Config
+from slimkv.eval import corpus
+from slimkv.eval.perplexity import TokenStats, next_token_logprobs
+from slimkv.eval.prompts import MAX_NEW_TOKENS, Probe, is_match
+from slimkv.eval.recall import conversation_probes, document_probes
+from slimkv.eval.retrieval import passkey_probes
+from slimkv.llm import LLM
+from slimkv.model.tokenizer import Tokenizer
+from slimkv.sampling import SamplingParams
+
+TASKS = ("passkey", "head_recall", "multi_turn")
+# Prefill budget per step while evaluating: results do not depend on it (every chunk reads
+# the quantized pool back), long prompts just take fewer passes over their prefix.
+_STEP_TOKENS = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class Suite:
+    name: str
+    window: int                          # perplexity window, tokens
+    num_windows: int | None              # None: every window of the corpus
+    passkey_contexts: tuple[int, ...]
+    depths: tuple[float, ...]
+    document_contexts: tuple[int, ...]
+    conversation_contexts: tuple[int, ...]
+    turns: int
+
+    @property
+    def max_context(self) -> int:
+        return max(self.window, *self.passkey_contexts, *self.document_contexts,
+                   *self.conversation_contexts)
+
+    def probes(self, tokenizer: Tokenizer) -> list[Probe]:
+        filler = corpus.Filler(tokenizer)
+        probes = passkey_probes(tokenizer, list(self.passkey_contexts), list(self.depths))
+        for i, context in enumerate(self.document_contexts):
+            probes += document_probes(tokenizer, filler, context, seed=i)
+        for i, context in enumerate(self.conversation_contexts):
+            probes += conversation_probes(tokenizer, filler, context, self.turns, seed=100 + i)
+        return probes
+
+
+SUITES = {
+    "quick": Suite("quick", 1024, 2, (1024,), (0.0, 0.5, 1.0), (1024,), (1024,), 3),
+    "full": Suite("full", 1024, None, (1024, 2048, 4096, 7168), (0.0, 0.25, 0.5, 0.75, 1.0),
+                  (2048, 7168), (4096,), 6),
+}
+
+
+@dataclass(slots=True)
+class DtypeRun:
+    """What one KV dtype scored: corpus statistics and a hit per probe."""
+
+    dtype: str
+    stats: TokenStats = field(default_factory=TokenStats)
+    hits: list[bool] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+
+    def accuracy(self, probes: list[Probe], task: str) -> float | None:
+        marks = [hit for probe, hit in zip(probes, self.hits) if probe.task == task]
+        return sum(marks) / len(marks) if marks else None
+
+
+@dataclass(slots=True)
+class EvalRun:
+    suite: Suite
+    model: str
+    corpus_tokens: int
+    probes: list[Probe]
+    reference: DtypeRun
+    runs: list[DtypeRun]
+
+
+def eval_config(config: Config, dtype: str, max_context: int) -> Config:
+    """``config`` with ``dtype`` for K and V and a pool of 1.5 times the longest context (a
+    small pool per dtype, since every dtype's engine stays alive for the run)."""
+    blocks = math.ceil(1.5 * max_context / config.kv_cache.block_size)
+    config = config.replace("kv_cache", dtype=dtype, k_dtype=None, v_dtype=None, num_blocks=blocks)
+    budget = max(config.scheduler.max_num_batched_tokens, _STEP_TOKENS)
+    return config.replace("scheduler", max_num_batched_tokens=budget)
+
+
+def run_eval(config: Config, dtypes: list[str], suite: Suite, reference: str = "float32",
+             progress: bool = True) -> EvalRun:
+    """Evaluate ``reference`` and every dtype of ``dtypes`` (each its own engine, so a
+    dtype equal to the reference is a genuine second run)."""
+    llms = [LLM(eval_config(config, dtype, suite.max_context)) for dtype in [reference, *dtypes]]
+    runs = [DtypeRun(dtype) for dtype in [reference, *dtypes]]
+    tokenizer = llms[0].tokenizer
+    windows = corpus.windows(tokenizer, suite.window, suite.num_windows)
+    for window in tqdm(windows, desc="perplexity windows", disable=not progress):
+        _score_window(llms, runs, window)
+    probes = suite.probes(tokenizer)
+    for llm, run in zip(llms, runs):
+        _answer(llm, run, probes, progress)
+    return EvalRun(suite, llms[0].engine.model_name, len(windows) * suite.window, probes,
+                   runs[0], runs[1:])
+
+
+def _score_window(llms: list[LLM], runs: list[DtypeRun], window: list[int]) -> None:
+    """One window through every engine; only this window's logits are ever held."""
+    reference = next_token_logprobs(llms[0].engine.score(window))
+    targets = torch.tensor(window[1:])
+    for llm, run in zip(llms, runs):
+        logprobs = reference if run is runs[0] else next_token_logprobs(llm.engine.score(window))
+        run.stats.add(logprobs, targets, reference)
+
+
+def _answer(llm: LLM, run: DtypeRun, probes: list[Probe], progress: bool) -> None:
+    """Probes one at a time, in order: probes sharing a document then reuse its prefix
+    from the cache instead of all prefilling it in the same batch."""
+    params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0)
+    for probe in tqdm(probes, desc=f"tasks ({run.dtype} KV)", disable=not progress):
+        [result] = llm.generate(probe.prompt_ids, params)
+        run.outputs.append(result.text)
+        run.hits.append(is_match(probe.answer, result.text))

@@ -1,0 +1,101 @@
+"""Head-of-document recall, the case's failure mode: named facts in a document's first
+section (or a conversation's first turn), filler after them, a question at the end."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from slimkv.eval.corpus import Filler
+from slimkv.eval.prompts import MAX_NEW_TOKENS, SLOT, Probe, encode, flat, frame
+from slimkv.model.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class FactKind:
+    name: str
+    statement: str      # "{}" is the value
+    question: str
+    values: tuple[str, ...]
+
+    @property
+    def primer(self) -> str:
+        """The statement up to the value: the answer is the next thing to say."""
+        return self.statement.split("{}")[0].rstrip()
+
+
+FACT_KINDS = (
+    FactKind("leader", "The leader of the expedition was {}.",
+             "Who was the leader of the expedition?",
+             ("Ada Morrow", "Tomas Reed", "Helen Vasquez", "Oskar Lind", "Mira Patel",
+              "Jonah Brooks")),
+    FactKind("ship", "The ship was called the {}.", "What was the ship called?",
+             ("Silver Finch", "Grey Heron", "Northern Star", "Red Kestrel", "Quiet Harbor",
+              "Blue Otter")),
+    FactKind("port", "The expedition sailed from the port of {}.",
+             "From which port did the expedition sail?",
+             ("Carrow", "Bellmouth", "Dunmere", "Ashford", "Kelby", "Marston")),
+    FactKind("cargo", "The main cargo of the ship was {}.", "What was the main cargo of the ship?",
+             ("salted fish", "copper wire", "wool blankets", "green tea", "rope",
+              "glass bottles")),
+    FactKind("password", "The secret password of the crew was {}.",
+             "What was the secret password of the crew?",
+             ("amber kettle", "copper lantern", "silent meadow", "paper tiger", "winter plum")),
+)
+_DOC = ("Read the document below carefully.\n\nSection 1. The expedition\n" + SLOT
+        + "\n\nSection 2. Other notes\n" + SLOT + "\n\nQuestion about section 1: {}")
+_FIRST_TURN = "Here are some facts about an expedition. Please remember them.\n\n" + SLOT
+_LAST_TURN = "About the facts in my first message: {}"
+
+
+def _facts(tokenizer: Tokenizer, seed: int) -> tuple[list[tuple[FactKind, str]], list[int]]:
+    """A random value for every fact kind, and the ids of the statements of all of them."""
+    rng = random.Random(seed)
+    facts = [(kind, rng.choice(kind.values)) for kind in FACT_KINDS]
+    text = " ".join(kind.statement.format(value) for kind, value in facts)
+    return facts, encode(tokenizer, text)
+
+
+def _assemble(task: str, context: int, label: str, answer: str, pieces: list[list[int]],
+              needle: list[int], fillers: list[list[int]]) -> Probe:
+    """``pieces[0] + needle + pieces[1] + fillers[0] + pieces[2] + ...``."""
+    ids = pieces[0] + needle
+    for piece, filler in zip(pieces[1:], fillers):
+        ids += piece + filler
+    start = len(pieces[0])
+    return Probe(task, context, label, ids + pieces[-1], answer, (start, start + len(needle)),
+                 (start, len(ids)))
+
+
+def document_probes(tokenizer: Tokenizer, filler: Filler, context: int,
+                    seed: int = 0) -> list[Probe]:
+    """One document of about ``context`` tokens; one probe per fact of its first section."""
+    facts, needle = _facts(tokenizer, seed)
+    probes = []
+    for kind, value in facts:
+        messages = [{"role": "user", "content": _DOC.format(kind.question)}]
+        pieces = frame(tokenizer, messages, kind.primer)
+        budget = context - MAX_NEW_TOKENS - len(needle) - sum(map(len, pieces))
+        text = flat(filler.take(budget, start=53 * seed))
+        probes.append(_assemble("head_recall", context, kind.name, value, pieces, needle, [text]))
+    return probes
+
+
+def conversation_probes(tokenizer: Tokenizer, filler: Filler, context: int, turns: int,
+                        seed: int = 0) -> list[Probe]:
+    """Facts in turn 1, passages to read in turns 2..N-1, the question in turn N."""
+    facts, needle = _facts(tokenizer, seed)
+    probes = []
+    for kind, value in facts:
+        messages = [{"role": "user", "content": _FIRST_TURN},
+                    {"role": "assistant", "content": "I will remember these facts."}]
+        for _ in range(turns - 2):
+            messages += [{"role": "user", "content": "Please read this passage.\n\n" + SLOT},
+                         {"role": "assistant", "content": "I have read the passage."}]
+        messages.append({"role": "user", "content": _LAST_TURN.format(kind.question)})
+        pieces = frame(tokenizer, messages, kind.primer)
+        budget = context - MAX_NEW_TOKENS - len(needle) - sum(map(len, pieces))
+        passages = [flat(filler.take(budget // (turns - 2), start=53 * seed + 31 * t))
+                    for t in range(turns - 2)]
+        probes.append(_assemble("multi_turn", context, kind.name, value, pieces, needle, passages))
+    return probes
