@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from slimkv.bench.capacity_cli import add_capacity_cli
 from slimkv.cli import add_config_args, config_from_args
 
 
@@ -26,6 +27,13 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="bench/results/engine.json", help="JSON file to write")
     p.add_argument("--json", action="store_true", help="also print the JSON")
     p.set_defaults(func=cmd_bench_engine)
+    p = bench.add_parser("scheduling", help="lanes (fcfs vs weighted) and paged vs contiguous")
+    add_config_args(p)
+    p.add_argument("--long-tokens", type=int, default=4096)
+    p.add_argument("--out", default="bench/results/scheduling.json", help="JSON file to write")
+    p.add_argument("--json", action="store_true", help="also print the JSON")
+    p.set_defaults(func=cmd_bench_scheduling)
+    add_capacity_cli(bench)
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
@@ -33,6 +41,16 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 
     result = bench_engine(config_from_args(args), args.kv_dtypes, args.prompt_lens,
                           args.batches, args.context, args.new_tokens)
+    return write_result(result, args)
+
+
+def cmd_bench_scheduling(args: argparse.Namespace) -> int:
+    from slimkv.bench.scheduling import bench_scheduling
+
+    return write_result(bench_scheduling(config_from_args(args), args.long_tokens), args)
+
+
+def write_result(result: dict, args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -2,8 +2,9 @@
 
 Like engines without paging, each request reserves one contiguous run of blocks for
 ``max_model_len`` tokens when it is admitted, whatever it will really use. A request
-that waits although the free blocks would hold everything it can ever need is a *false
-OOM*: free memory exists but cannot be used (the case's "several a day").
+that waits although the blocks its tokens and the running requests' tokens really need
+would fit in the pool is a *false OOM*: the memory exists but the reservations hold it
+(the case's "several a day").
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ class ContiguousKVManager(KVCacheManager):
         super().__init__(pool, block_size)
         self.reserve_blocks = -(-max_model_len // block_size)
         self.false_oom_requests: set[str] = set()
+        self._live: dict[str, Sequence] = {}
 
     @property
     def num_false_oom(self) -> int:
@@ -34,7 +36,9 @@ class ContiguousKVManager(KVCacheManager):
             return True
         if self._find_run() is not None:
             return True
-        if self.pool.num_free_blocks >= super().blocks_for(seq.max_total_tokens()):
+        really_used = sum(super(ContiguousKVManager, self).blocks_for(s.num_tokens)
+                          for s in self._live.values())
+        if really_used + super().blocks_for(seq.max_total_tokens()) <= self.pool.num_blocks:
             self.false_oom_requests.add(seq.request_id)
         return False
 
@@ -44,6 +48,11 @@ class ContiguousKVManager(KVCacheManager):
             run = self.pool.blocks[start:start + self.reserve_blocks]
             self.pool.touch(run)
             seq.blocks = run
+            self._live[seq.request_id] = seq
+
+    def free(self, seq: Sequence) -> None:
+        self._live.pop(seq.request_id, None)
+        super().free(seq)
 
     def _find_run(self) -> int | None:
         """First block id starting ``reserve_blocks`` consecutive free blocks."""
