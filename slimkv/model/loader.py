@@ -42,6 +42,12 @@ def load_model(path: str | None, dtype: torch.dtype,
     return _load_cached(os.path.realpath(path), dtype, torch.device(device))
 
 
+def read_model_args(path: str | None) -> ModelArgs:
+    """The model's shapes from its metadata alone, without loading the weights."""
+    path = default_model_path() if path is None else path
+    return (_read_hf_dir(path) if os.path.isdir(path) else _read_gguf(path))[0]
+
+
 @functools.lru_cache(maxsize=4)
 def _load_cached(path: str, dtype: torch.dtype,
                  device: torch.device) -> tuple[ModelArgs, Transformer, Tokenizer]:

@@ -1,0 +1,1 @@
+"""``slimkv loadtest``: a closed-loop load generator for any OpenAI-compatible server."""
