@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from slimkv.config import Config
-from slimkv.engine import LLMEngine, RequestError
+from slimkv.engine import RequestError
 from slimkv.llm import LLM
 from slimkv.sampling import SamplingParams
 

@@ -1,7 +1,6 @@
 """Scheduler and KV manager on the CPU, without a model: a tiny simulator plays the
 engine's part (computed tokens advance, a caught-up sequence emits one token)."""
 
-import pytest
 
 from slimkv.config import KVCacheConfig, SchedulerConfig
 from slimkv.kv.block_pool import BlockPool
@@ -99,7 +98,7 @@ def test_preemption_by_recompute_completes_everything():
 
 def test_prefix_hit_reuses_exact_blocks_and_skips_their_prefill():
     sim = Sim(budget=64)
-    a = sim.add("a", 3 * BS + 1, max_tokens=1)
+    sim.add("a", 3 * BS + 1, max_tokens=1)
     sim.run()
     first_ids = [b.block_id for b in sim.pool.blocks if b.block_hash is not None]
     assert len(first_ids) == 3

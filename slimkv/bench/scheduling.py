@@ -15,11 +15,7 @@ from slimkv.bench.engine import machine_info, random_prompt
 from slimkv.config import Config
 from slimkv.engine import LLMEngine
 from slimkv.sampling import SamplingParams
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+from slimkv.stats import percentile
 
 
 def run_lanes(config: Config, policy: str, long_tokens: int, num_short: int,

@@ -3,25 +3,15 @@ errors by kind; and a table and a plot over concurrency levels."""
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from slimkv.loadtest.client import RequestResult
 from slimkv.loadtest.runner import LevelRun
+from slimkv.stats import percentile
 
 Summary = dict[str, Any]
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile (``q`` in 0..100); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low, high = math.floor(rank), math.ceil(rank)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def _quantiles(values: list[float], qs: tuple[int, ...]) -> dict[str, float | None]:

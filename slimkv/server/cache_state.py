@@ -9,7 +9,6 @@ data that the handler serialises. The schema is documented in the README ("Dashb
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 from slimkv.engine import LLMEngine
 from slimkv.kv.block_pool import Block
 from slimkv.outputs import RequestOutput
+from slimkv.stats import percentile
 
 SCHEMA_VERSION = 1
 WINDOW_S = 60
@@ -70,13 +70,9 @@ class RecentTTFT:
     def summary(self, now: float) -> dict[str, Any]:
         while self._samples and self._samples[0][0] < now - WINDOW_S:
             self._samples.popleft()
-        values = sorted(ttft for _, ttft in self._samples)
+        values = [ttft for _, ttft in self._samples]
         return {"window_s": WINDOW_S, "count": len(values),
-                "p50_s": nearest_rank(values, 0.50), "p99_s": nearest_rank(values, 0.99)}
-
-
-def nearest_rank(ordered: list[float], q: float) -> float | None:
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)] if ordered else None
+                "p50_s": percentile(values, 50), "p99_s": percentile(values, 99)}
 
 
 class CacheHistory:
