@@ -127,3 +127,22 @@ def test_requests_arriving_later_join_the_running_batch(server):
                            json={"model": server.model, "prompt": "Hi", "max_tokens": 2})
         assert short.status_code == 200
         assert server.metric("slimkv:num_requests_running") == 1  # the long one still runs
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_giving_up_while_queued_aborts_its_request(stream):
+    """With one running slot taken, a second request queues; its client times out and
+    leaves, and the server drops it from the queue long before the slot frees up."""
+    from conftest import live_server, small_config
+
+    with live_server(small_config(kv_cache={"max_concurrency_soft": 1})) as server:
+        long_body = {"model": server.model, "prompt": "Count: one, two,", "max_tokens": 1500,
+                     "ignore_eos": True, "stream": True}
+        with server.http() as http, http.stream("POST", "/v1/completions", json=long_body) as busy:
+            first_events(busy, 2)
+            queued = {"model": server.model, "prompt": "Hi", "max_tokens": 4, "stream": stream}
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{server.url}/v1/completions", json=queued, timeout=1.0)
+            assert server.wait_for_metric("slimkv:num_requests_waiting", 0, timeout=10) == 0
+            assert server.metric("slimkv:request_success_total", finished_reason="abort") == 1
+            assert server.metric("slimkv:num_requests_running") == 1   # the long one still runs

@@ -96,7 +96,7 @@ def create_app(engine: AsyncEngine, server: ServerConfig) -> FastAPI:
             fmt.request_id, prompt, isinstance(body, ChatCompletionRequest),
             lambda n: body.sampling_params(max(1, min(DEFAULT_MAX_TOKENS, max_model_len - n))),
             session_id=body.session_id or http.headers.get("x-session-id") or None)
-        return await respond(engine.generate(request), body, fmt)
+        return await respond(engine.generate(request), body, fmt, http)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:

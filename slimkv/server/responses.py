@@ -3,15 +3,20 @@ server-sent events (``data: {chunk}`` lines ending with ``data: [DONE]``).
 
 The first output is awaited before any byte is sent, so a request the engine rejects
 (400) or that finds the server busy (429) gets a real error status even when streaming.
+While no byte has been sent (queued, prefilling, or a whole non-streaming answer), the
+client's connection is watched: if it goes away the request is aborted at once, so an
+abandoned request neither keeps its place in the queue nor holds KV blocks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Send
 
@@ -78,15 +83,39 @@ class EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+DISCONNECT_POLL_S = 0.25
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response started."""
+
+
 async def respond(outputs: AsyncIterator[RequestOutput], body: SamplingRequest,
-                  fmt: ResponseFormat) -> JSONResponse | EventStream:
-    first = await anext(outputs)
-    if body.stream:
-        return EventStream(_events(first, outputs, fmt, body.include_usage))
-    last = first
-    async for last in outputs:
-        pass
+                  fmt: ResponseFormat, http: Request) -> Response:
+    try:
+        first = await _next_while_connected(outputs, http)
+        if body.stream:
+            return EventStream(_events(first, outputs, fmt, body.include_usage))
+        last = first
+        while not last.finished:
+            last = await _next_while_connected(outputs, http)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONResponse(fmt.complete(last))
+
+
+async def _next_while_connected(outputs: AsyncIterator[RequestOutput],
+                                http: Request) -> RequestOutput:
+    """The next output; if the client disconnects first, abort the request (cancelling the
+    wait runs the generator's cleanup, which posts the abort) and raise ``ClientGone``."""
+    pending = asyncio.ensure_future(anext(outputs))
+    while not (await asyncio.wait({pending}, timeout=DISCONNECT_POLL_S))[0]:
+        if await http.is_disconnected():
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+            raise ClientGone
+    return pending.result()
 
 
 async def _events(first: RequestOutput, outputs: AsyncIterator[RequestOutput],
