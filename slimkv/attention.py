@@ -4,6 +4,11 @@ Every layer call first writes the step's new K/V into the pool, then attends eac
 over its sequence's KV read back *from the pool*. Prefill chunks, prefix-cached blocks and
 decodes therefore all see the same quantized values, and the result does not depend on how
 a prompt was chunked.
+
+With per-block scales (a staged cache, :mod:`slimkv.kv.staging`) a query sees the blocks
+before its own through the pool and its own block at full precision: from the staging slot
+for a decode, from the chunk's own tokens (plus the staged head of its first block) for a
+prefill. That rule depends on positions only, so chunking still does not change results.
 """
 
 from __future__ import annotations
@@ -37,6 +42,17 @@ class AttentionMetadata:
     seq_lens: list[int]             # [B] context length per sequence after this step
     block_tables: torch.Tensor      # [B, max_blocks] int64, padded with 0 past each table's end
     seq_lens_t: torch.Tensor        # [B] int64, seq_lens on the device
+    staging_slots: torch.Tensor | None = None  # [B] int64: staging slot per sequence (staged caches)
+
+
+@dataclass(slots=True)
+class Fresh:
+    """A sequence's new K/V at full precision, from ``start`` (the first position of the
+    block holding its first new token) to its last token."""
+
+    start: int
+    k: Tensor
+    v: Tensor
 
 
 def _context_mask(seq_lens: Tensor, query_len: int, num_keys: int) -> Tensor:
@@ -58,6 +74,35 @@ def _read_context(cache: PagedKVCache, layer: int, block_tables: Tensor, max_len
     return cache.read(layer, block_tables[:, :num_blocks], dtype)
 
 
+def _own_block_mask(seq_len: int, query_len: int, num_pool_keys: int, fresh_start: int,
+                    fresh_len: int, block_size: int, device: torch.device) -> Tensor:
+    """``[query_len, num_pool_keys + fresh_len]`` bool for keys = pool keys then fresh keys:
+    a query sees pool keys of earlier blocks and fresh keys of its own block up to itself."""
+    query_pos = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
+    own_start = query_pos // block_size * block_size
+    pool_pos = torch.arange(num_pool_keys, device=device)[None]
+    fresh_pos = fresh_start + torch.arange(fresh_len, device=device)[None]
+    return torch.cat((pool_pos < own_start, (fresh_pos >= own_start) & (fresh_pos <= query_pos)), 1)
+
+
+def _staged_context(cache: PagedKVCache, layer: int, meta: AttentionMetadata, i: int,
+                    fresh: Fresh | None, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """Sequence ``i``'s keys, values ``[1, n, H, D]`` (pool blocks, then its full-precision
+    own blocks) and mask ``[1, query_len, n]``. Without ``fresh`` (a decode), the own block
+    comes from the staging slot."""
+    seq_len, q_len, bs = meta.seq_lens[i], meta.query_lens[i], cache.block_size
+    if fresh is None:
+        start = (seq_len - 1) // bs * bs
+        slot = meta.staging_slots[i:i + 1]
+        own_k, own_v = (x[0, :seq_len - start] for x in cache.staging.own_blocks(layer, slot, dtype))
+        fresh = Fresh(start, own_k, own_v)
+    k, v = _read_context(cache, layer, meta.block_tables[i:i + 1], seq_len, dtype)
+    mask = _own_block_mask(seq_len, q_len, k.shape[1], fresh.start, len(fresh.k), bs, k.device)
+    k = torch.cat((k, fresh.k[None].to(dtype)), 1)
+    v = torch.cat((v, fresh.v[None].to(dtype)), 1)
+    return k, v, mask[None]
+
+
 def _gqa_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
     """Masked attention for ``q [B, n, Hq, D]`` over ``k, v [B, L, H_kv, D]``, ``mask [B, n, L]``.
 
@@ -77,21 +122,28 @@ def _gqa_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Te
 
 
 def reference_paged_attention(cache: PagedKVCache, layer: int, q: Tensor, meta: AttentionMetadata,
-                              scale: float, dtype: torch.dtype) -> Tensor:
+                              scale: float, dtype: torch.dtype,
+                              fresh: dict[int, Fresh] | None = None) -> Tensor:
     """Plain per-sequence attention over the cached KV, softmax in float32.
 
-    Reads the pool only (the step's K/V must already be written). Kept simple on purpose:
-    it is the oracle that the fast path and future kernels are checked against.
+    Reads the pool only (the step's K/V must already be written), plus, for a staged cache,
+    each prefill's ``fresh`` K/V (:attr:`PagedAttention.fresh`) and each decode's staging
+    slot. Kept simple on purpose: it is the oracle that the fast path and future kernels
+    are checked against.
     """
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     group = q.shape[1] // cache.num_kv_heads
+    fresh = fresh or {}
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens)):
         rows = slice(meta.query_start_loc[i], meta.query_start_loc[i] + q_len)
-        k, v = _read_context(cache, layer, meta.block_tables[i:i + 1], seq_len, torch.float32)
-        k = k[0, :seq_len].repeat_interleave(group, dim=1)
-        v = v[0, :seq_len].repeat_interleave(group, dim=1)
+        if cache.staging is None:
+            k, v = _read_context(cache, layer, meta.block_tables[i:i + 1], seq_len, torch.float32)
+            mask = _context_mask(meta.seq_lens_t[i:i + 1], q_len, k.shape[1])
+        else:
+            k, v, mask = _staged_context(cache, layer, meta, i, fresh.get(i), torch.float32)
+        k = k[0].repeat_interleave(group, dim=1)
+        v = v[0].repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[rows].float(), k) * scale
-        mask = _context_mask(meta.seq_lens_t[i:i + 1], q_len, seq_len)
         probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
         out[rows] = torch.einsum("hqk,khd->qhd", probs, v).to(dtype)
     return out
@@ -118,6 +170,7 @@ class PagedAttention:
         self.scale = scale
         self.dtype = dtype
         self.fast = os.environ.get(FAST_ENV, "1") != "0" if fast is None else fast
+        self.fresh: dict[int, Fresh] = {}  # the last call's prefills' full-precision K/V
         self.path_counts: Counter[str] = Counter()
         self.layer_path_counts: defaultdict[int, Counter[str]] = defaultdict(Counter)
         self.fallback_reason = self._fallback_reason()
@@ -128,7 +181,7 @@ class PagedAttention:
         if not self.fast:
             return f"the fast attention path is disabled (fast=False or {FAST_ENV}=0)"
         for codec in self.cache.codecs.values():
-            probe = torch.zeros(1, codec.head_dim, device=self.cache.device)
+            probe = torch.zeros(1, self.cache.block_size, 1, codec.head_dim, device=self.cache.device)
             try:
                 codec.dequantize(codec.quantize(probe), self.dtype)
             except (RuntimeError, TypeError) as exc:
@@ -141,10 +194,11 @@ class PagedAttention:
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
         """``q [T, num_heads, D]``, ``k, v [T, H_kv, D]`` -> ``[T, num_heads, D]`` in ``dtype``."""
-        self.cache.write(layer, meta.slot_mapping, k, v)
+        self._write(layer, k, v, meta)
         if self.fallback_reason is not None:
             self._count(layer, "reference")
-            return reference_paged_attention(self.cache, layer, q, meta, self.scale, self.dtype)
+            return reference_paged_attention(self.cache, layer, q, meta, self.scale, self.dtype,
+                                             self.fresh)
         q = q.to(self.dtype)
         out = torch.empty_like(q)
         decodes = [i for i, n in enumerate(meta.query_lens) if n == 1]
@@ -158,20 +212,56 @@ class PagedAttention:
             self._prefill(layer, q, meta, i, out)
         return out
 
+    def _write(self, layer: int, k: Tensor, v: Tensor, meta: AttentionMetadata) -> None:
+        """Store the step's K/V: token by token, or through the staging slots (decodes at
+        once, each prefill keeping its full-precision K/V in :attr:`fresh`)."""
+        staging = self.cache.staging
+        if staging is None:
+            self.cache.write(layer, meta.slot_mapping, k, v)
+            return
+        self.fresh = {}
+        bs = self.cache.block_size
+        decodes = [i for i, n in enumerate(meta.query_lens) if n == 1]
+        if decodes:
+            index = torch.tensor(decodes, device=meta.block_tables.device)
+            rows = torch.tensor([meta.query_start_loc[i] for i in decodes], device=k.device)
+            positions = meta.seq_lens_t[index] - 1
+            blocks = meta.block_tables[index, positions // bs]
+            staging.append_decodes(layer, meta.staging_slots[index], positions, blocks,
+                                   k[rows], v[rows])
+        for i, q_len in enumerate(meta.query_lens):
+            if q_len > 1:
+                start = meta.seq_lens[i] - q_len
+                rows = slice(meta.query_start_loc[i], meta.query_start_loc[i] + q_len)
+                fresh = staging.append(layer, int(meta.staging_slots[i]), start,
+                                       meta.block_tables[i, start // bs:], k[rows], v[rows])
+                self.fresh[i] = Fresh(start // bs * bs, *fresh)
+
     def _decode(self, layer: int, q: Tensor, meta: AttentionMetadata, seqs: list[int],
                 out: Tensor) -> None:
-        """All single-token queries at once; the key-padding mask comes from seq_lens."""
+        """All single-token queries at once; the key-padding mask comes from seq_lens. A
+        staged cache's own blocks replace theirs from the staging slots."""
         rows = torch.tensor([meta.query_start_loc[i] for i in seqs], device=q.device)
         index = torch.tensor(seqs, device=meta.block_tables.device)
         max_len = max(meta.seq_lens[i] for i in seqs)
         k, v = _read_context(self.cache, layer, meta.block_tables[index], max_len, self.dtype)
+        if self.cache.staging is not None:
+            bs = self.cache.block_size
+            own = (meta.seq_lens_t[index] - 1) // bs
+            batch = torch.arange(len(seqs), device=k.device)
+            own_k, own_v = self.cache.staging.own_blocks(layer, meta.staging_slots[index], self.dtype)
+            k.unflatten(1, (-1, bs))[batch, own] = own_k
+            v.unflatten(1, (-1, bs))[batch, own] = own_v
         mask = _context_mask(meta.seq_lens_t[index], 1, k.shape[1])
         out[rows] = _gqa_sdpa(q[rows].unsqueeze(1), k, v, mask, self.scale).squeeze(1)
 
     def _prefill(self, layer: int, q: Tensor, meta: AttentionMetadata, i: int, out: Tensor) -> None:
         """One prompt (chunk) attending its cached prefix and itself, causally."""
         rows = slice(meta.query_start_loc[i], meta.query_start_loc[i] + meta.query_lens[i])
-        k, v = _read_context(self.cache, layer, meta.block_tables[i:i + 1], meta.seq_lens[i],
-                             self.dtype)
-        mask = _context_mask(meta.seq_lens_t[i:i + 1], meta.query_lens[i], k.shape[1])
+        if self.cache.staging is None:
+            k, v = _read_context(self.cache, layer, meta.block_tables[i:i + 1], meta.seq_lens[i],
+                                 self.dtype)
+            mask = _context_mask(meta.seq_lens_t[i:i + 1], meta.query_lens[i], k.shape[1])
+        else:
+            k, v, mask = _staged_context(self.cache, layer, meta, i, self.fresh[i], self.dtype)
         out[rows] = _gqa_sdpa(q[rows].unsqueeze(0), k, v, mask, self.scale).squeeze(0)

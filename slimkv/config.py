@@ -21,6 +21,9 @@ KV_DTYPES = (
     "auto", "float32", "float16", "bfloat16",
     "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "int4",
 )
+# Scale layouts (float KV dtypes have no scales and ignore them; see slimkv/kv/cache.py).
+K_SCALES = ("per_token", "per_channel_block")
+V_SCALES = ("per_token", "group32")
 EVICT_POLICIES = ("lru_block", "fifo")
 SCHEDULER_POLICIES = ("weighted", "fcfs")
 DEFAULT_CONFIG_PATH = Path(__file__).parent / "configs" / "default.yaml"
@@ -71,6 +74,8 @@ class KVCacheConfig:
     dtype: str = "int8"
     k_dtype: str | None = None
     v_dtype: str | None = None
+    k_scale: str = "per_token"
+    v_scale: str = "per_token"
     paged: bool = True
     block_size: int = 16
     memory_gb: float | None = 1.0
@@ -88,6 +93,8 @@ class KVCacheConfig:
             value = getattr(self, key)
             if value is not None:
                 _check_choice(value, KV_DTYPES, f"kv_cache.{key}")
+        _check_choice(self.k_scale, K_SCALES, "kv_cache.k_scale")
+        _check_choice(self.v_scale, V_SCALES, "kv_cache.v_scale")
         _check(isinstance(self.paged, bool), "kv_cache.paged", "must be true or false")
         _check(isinstance(self.block_size, int) and 1 <= self.block_size <= 256
                and self.block_size & (self.block_size - 1) == 0,

@@ -16,6 +16,7 @@ from slimkv.kv.block_pool import BlockPool
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.contiguous import ContiguousKVManager
 from slimkv.kv.manager import KVCacheManager
+from slimkv.kv.staging import Staging
 from slimkv.model import load_model
 from slimkv.outputs import Detokenizer, RequestOutput
 from slimkv.profiler import activation_peak, weight_bytes
@@ -59,17 +60,20 @@ class LLMEngine:
         self.k_dtype = config.model.dtype if kv.key_dtype == "auto" else kv.key_dtype
         self.v_dtype = config.model.dtype if kv.value_dtype == "auto" else kv.value_dtype
         shape = dict(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
-                     head_dim=args.head_dim, k_dtype=self.k_dtype, v_dtype=self.v_dtype)
-        self.bytes_per_token = PagedKVCache.bytes_per_token(**shape)
-        num_blocks = kv.num_blocks or PagedKVCache.num_blocks_for_budget(
-            int(kv.memory_gb * GiB), kv.block_size, **shape)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache.memory_gb={kv.memory_gb} holds no {kv.block_size}-token block")
-        self.cache = PagedKVCache(num_blocks=num_blocks, block_size=kv.block_size,
-                                  device=self.device, **shape)
+                     head_dim=args.head_dim, k_dtype=self.k_dtype, v_dtype=self.v_dtype,
+                     k_scale=kv.k_scale, v_scale=kv.v_scale)
+        self.bytes_per_token = PagedKVCache.bytes_per_token(**shape, block_size=kv.block_size)
+        # One staging slot per running sequence, plus one for score().
+        num_staging = kv.max_concurrency_soft + 1
+        self.cache = PagedKVCache(num_blocks=self._num_blocks(shape, num_staging),
+                                  block_size=kv.block_size, device=self.device,
+                                  num_staging=num_staging, staging_dtype=self.dtype, **shape)
+        num_blocks = self.cache.num_blocks
         self.pool = BlockPool(num_blocks, kv.enable_prefix_caching and kv.paged, kv.evict_policy)
-        self.manager = (KVCacheManager(self.pool, kv.block_size) if kv.paged else
-                        ContiguousKVManager(self.pool, kv.block_size, self.max_model_len))
+        self.manager = (KVCacheManager(self.pool, kv.block_size, num_staging_slots=num_staging)
+                        if kv.paged else
+                        ContiguousKVManager(self.pool, kv.block_size, self.max_model_len,
+                                            num_staging_slots=num_staging))
         self.scheduler = Scheduler(kv, config.scheduler, self.manager)
         self.attention = PagedAttention(self.cache, args.num_heads, args.head_dim ** -0.5,
                                         self.dtype)
@@ -88,6 +92,21 @@ class LLMEngine:
         self.num_steps = 0
         self.finished_reasons: Counter[str] = Counter()
         self._ids = itertools.count()
+
+    def _num_blocks(self, shape: dict, num_staging: int) -> int:
+        """``kv_cache.num_blocks``, or what ``memory_gb`` holds once staging is set aside."""
+        kv = self.config.kv_cache
+        if kv.num_blocks:
+            return kv.num_blocks
+        staged = PagedKVCache.is_staged(shape["k_dtype"], shape["v_dtype"], shape["head_dim"],
+                                        kv.k_scale, kv.v_scale)
+        staging = Staging.bytes(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"],
+                                kv.block_size, num_staging, self.dtype) if staged else 0
+        num_blocks = PagedKVCache.num_blocks_for_budget(
+            int(kv.memory_gb * GiB), kv.block_size, **shape, reserved_bytes=staging)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache.memory_gb={kv.memory_gb} holds no {kv.block_size}-token block")
+        return num_blocks
 
     # -- requests ----------------------------------------------------------------------
 
@@ -130,10 +149,10 @@ class LLMEngine:
         return bool(self.requests)
 
     def memory_split(self) -> dict[str, int]:
-        """Bytes of the weights, the KV pool, and the activation peak of the largest step
+        """Bytes of the weights, the KV pool, its staging blocks, and the activation peak of the largest step
         (measured at start-up, see :mod:`slimkv.profiler`)."""
         return {"weights": weight_bytes(self.model), "kv_cache": self.cache.nbytes,
-                "activations": self.activation_bytes}
+                "kv_staging": self.cache.staging_nbytes, "activations": self.activation_bytes}
 
     # -- the step ----------------------------------------------------------------------
 
@@ -189,7 +208,7 @@ class LLMEngine:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        starts, query_lens, seq_lens, tables = [0], [], [], []
+        starts, query_lens, seq_lens, tables, staging = [0], [], [], [], []
         sample_rows, sample_seqs = [], []
         for seq, n in scheduled:
             start = seq.num_computed_tokens
@@ -200,6 +219,7 @@ class LLMEngine:
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append([b.block_id for b in seq.blocks])
+            staging.append(self.manager.staging_slot(seq))
             if start + n == seq.num_tokens:
                 sample_rows.append(starts[-1] - 1)
                 sample_seqs.append(seq)
@@ -210,7 +230,8 @@ class LLMEngine:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             query_start_loc=starts, query_lens=query_lens, seq_lens=seq_lens,
             block_tables=table.to(dev),
-            seq_lens_t=torch.tensor(seq_lens, dtype=torch.long, device=dev))
+            seq_lens_t=torch.tensor(seq_lens, dtype=torch.long, device=dev),
+            staging_slots=torch.tensor(staging, dtype=torch.long, device=dev))
         return StepBatch(torch.tensor(ids, dtype=torch.long, device=dev),
                          torch.tensor(positions, dtype=torch.long, device=dev),
                          meta, sample_rows, sample_seqs)

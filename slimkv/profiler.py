@@ -150,12 +150,14 @@ def run_workload(engine: LLMEngine, sessions: int, context: int, new_tokens: int
     else:
         activations = tracker.peak
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        other = max(0, peak_rss - split["weights"] - split["kv_cache"] - activations)
+        other = max(0, peak_rss - split["weights"] - split["kv_cache"] - split["kv_staging"]
+                    - activations)
         method = ("CPU: weights and KV pool = bytes of the engine's own tensors; activations = "
                   "peak live bytes of tensors created during the steps (TorchDispatchMode); "
                   "other = peak RSS minus those (Python, torch runtime; untouched pool pages "
                   "are not resident, so it can read 0)")
     return {"weights": split["weights"], "kv_allocated": split["kv_cache"],
+            "kv_staging": split["kv_staging"],
             "kv_in_use": peak_blocks * engine.cache.bytes_per_block, "kv_blocks": engine.pool.num_blocks,
             "kv_blocks_in_use": peak_blocks, "kv_bytes_per_block": engine.cache.bytes_per_block,
             "activations": activations, "activations_startup": split["activations"],

@@ -38,6 +38,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
         self.blocks: list[Block] = []
+        self.staging_slot: int | None = None  # see KVCacheManager.staging_slot
         self.finish_reason: str | None = None
         self.output_text = ""
         self.num_emitted_chars = 0

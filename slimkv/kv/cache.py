@@ -1,9 +1,14 @@
 """The preallocated paged KV pool.
 
-For each of K and V, every field of its codec (``data`` and each auxiliary tensor such as
-``scale``/``zero``) is one tensor ``[num_layers, num_blocks, block_size, num_kv_heads, width]``
-allocated once at start-up. Token ``offset`` of block ``b`` lives at slot
-``b * block_size + offset``. Reads gather and dequantize only the requested blocks.
+For each of K and V, every field of its codec (``data`` and each per-token auxiliary tensor
+such as ``scale``/``zero``) is one tensor ``[num_layers, num_blocks, block_size, num_kv_heads,
+width]`` allocated once at start-up; per-block auxiliary tensors (per-channel key scales)
+are ``[num_layers, num_blocks, num_kv_heads, width]``. Token ``offset`` of block ``b`` lives
+at slot ``b * block_size + offset``. Reads gather and dequantize only the requested blocks.
+
+A codec with per-block scales can only quantize full blocks, so such a cache is *staged*:
+each running sequence owns a staging slot holding its last block in full precision
+(:class:`slimkv.kv.staging.Staging`), written into the pool once the block is full.
 """
 
 from __future__ import annotations
@@ -11,63 +16,113 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from slimkv.kv.quant import AUX_DTYPE, KVCodec, QuantizedKV, make_codec
+from slimkv.kv.block_scales import per_channel_block
+from slimkv.kv.quant import AUX_DTYPE, FloatCodec, KVCodec, QuantizedKV, make_codec
+from slimkv.kv.staging import Staging
 
 _SIDES = ("k", "v")
+
+
+def side_codec(name: str, head_dim: int, scale: str | None) -> KVCodec:
+    """The codec of ``name`` with a scale layout. ``per_token`` (or ``None``) computes scales
+    within each token-head vector: one for int8/fp8, one per group of 32 for int4, which is
+    what ``group32`` names (8-bit values keep one scale per token-head).
+    ``per_channel_block``: see :mod:`slimkv.kv.block_scales`. Float dtypes have no scales."""
+    codec = make_codec(name, head_dim)
+    if scale == "per_channel_block" and not isinstance(codec, FloatCodec):
+        return per_channel_block(name, head_dim)
+    return codec
 
 
 class PagedKVCache:
     """All layers' K and V blocks in their (possibly quantized) storage formats."""
 
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, k_dtype: str, v_dtype: str, device: torch.device) -> None:
+                 head_dim: int, k_dtype: str, v_dtype: str, device: torch.device,
+                 k_scale: str = "per_token", v_scale: str | None = None, num_staging: int = 1,
+                 staging_dtype: torch.dtype = torch.float32) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.device = torch.device(device)
+        self.scales = {"k": k_scale, "v": v_scale}
         self.codecs: dict[str, KVCodec] = {
-            "k": make_codec(k_dtype, head_dim), "v": make_codec(v_dtype, head_dim)}
+            "k": side_codec(k_dtype, head_dim, k_scale), "v": side_codec(v_dtype, head_dim, v_scale)}
         self._pools = {side: self._allocate(codec) for side, codec in self.codecs.items()}
+        self.staging = (Staging(self, num_staging, staging_dtype)
+                        if self.is_staged(k_dtype, v_dtype, head_dim, k_scale, v_scale) else None)
+
+    @staticmethod
+    def is_staged(k_dtype: str, v_dtype: str, head_dim: int, k_scale: str | None,
+                  v_scale: str | None) -> bool:
+        """Whether a codec has per-block scales, so that partial blocks need staging."""
+        codecs = (side_codec(k_dtype, head_dim, k_scale), side_codec(v_dtype, head_dim, v_scale))
+        return any(codec.block_aux_widths for codec in codecs)
 
     def _allocate(self, codec: KVCodec) -> QuantizedKV:
-        lead = (self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads)
-        data = torch.zeros(*lead, codec.data_width, dtype=codec.storage_dtype, device=self.device)
+        lead = (self.num_layers, self.num_blocks)
+        heads = (self.num_kv_heads,)
+        tokens = (self.block_size, self.num_kv_heads)
+        data = torch.zeros(*lead, *tokens, codec.data_width, dtype=codec.storage_dtype,
+                           device=self.device)
         # Scales start at 1 so never-written slots dequantize to finite values.
-        aux = {name: torch.ones(*lead, width, dtype=AUX_DTYPE, device=self.device)
+        aux = {name: torch.ones(*lead, *tokens, width, dtype=AUX_DTYPE, device=self.device)
                for name, width in codec.aux_widths.items()}
+        aux.update({name: torch.ones(*lead, *heads, width, dtype=AUX_DTYPE, device=self.device)
+                    for name, width in codec.block_aux_widths.items()})
         return QuantizedKV(data, aux)
 
     # -- sizing -------------------------------------------------------------------------
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
-                        k_dtype: str, v_dtype: str) -> int:
-        """Exact bytes one token occupies across all layers, K and V, scales included."""
-        per_head = sum(make_codec(name, head_dim).bytes_per_token_head() for name in (k_dtype, v_dtype))
+    def block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, k_dtype: str,
+                    v_dtype: str, k_scale: str = "per_token", v_scale: str | None = None,
+                    block_size: int = 16) -> int:
+        """Exact bytes of one block across all layers, K and V, scales and zeros included."""
+        codecs = (side_codec(k_dtype, head_dim, k_scale), side_codec(v_dtype, head_dim, v_scale))
+        per_head = sum(codec.bytes_per_block_head(block_size) for codec in codecs)
         return num_layers * num_kv_heads * per_head
 
     @classmethod
+    def bytes_per_token(cls, num_layers: int, num_kv_heads: int, head_dim: int, k_dtype: str,
+                        v_dtype: str, k_scale: str = "per_token", v_scale: str | None = None,
+                        block_size: int = 16) -> float:
+        """Bytes one token occupies in the pool: :meth:`block_bytes` / ``block_size`` (an
+        integer whenever per-block scales divide evenly; staging is not per token, see
+        :meth:`Staging.bytes`)."""
+        per_block = cls.block_bytes(num_layers, num_kv_heads, head_dim, k_dtype, v_dtype,
+                                    k_scale, v_scale, block_size)
+        return per_block // block_size if per_block % block_size == 0 else per_block / block_size
+
+    @classmethod
     def num_blocks_for_budget(cls, budget_bytes: int, block_size: int, *, num_layers: int,
-                              num_kv_heads: int, head_dim: int, k_dtype: str, v_dtype: str) -> int:
-        """How many blocks fit in ``budget_bytes`` (floor)."""
-        per_token = cls.bytes_per_token(num_layers, num_kv_heads, head_dim, k_dtype, v_dtype)
-        return budget_bytes // (block_size * per_token)
+                              num_kv_heads: int, head_dim: int, k_dtype: str, v_dtype: str,
+                              k_scale: str = "per_token", v_scale: str | None = None,
+                              reserved_bytes: int = 0) -> int:
+        """How many blocks fit in ``budget_bytes`` less ``reserved_bytes`` (staging), floor."""
+        per_block = cls.block_bytes(num_layers, num_kv_heads, head_dim, k_dtype, v_dtype,
+                                    k_scale, v_scale, block_size)
+        return max(0, budget_bytes - reserved_bytes) // per_block
 
     @property
     def bytes_per_block(self) -> int:
-        return self.block_size * self.bytes_per_token(
-            self.num_layers, self.num_kv_heads, self.head_dim,
-            self.codecs["k"].name, self.codecs["v"].name)
+        return self.block_bytes(self.num_layers, self.num_kv_heads, self.head_dim,
+                                self.codecs["k"].name, self.codecs["v"].name,
+                                self.scales["k"], self.scales["v"], self.block_size)
 
     @property
     def nbytes(self) -> int:
-        """Bytes actually allocated, summed over every pool tensor."""
+        """Bytes actually allocated, summed over every pool tensor (staging apart)."""
         return sum(t.nbytes for t in self.tensors().values())
 
+    @property
+    def staging_nbytes(self) -> int:
+        return 0 if self.staging is None else self.staging.buffer.nbytes
+
     def tensors(self) -> dict[str, Tensor]:
-        """Every pool tensor by name (``k_data``, ``k_scale``, ``v_zero``, ...)."""
+        """Every pool tensor (staging apart) by name (``k_data``, ``k_scale``, ``v_zero``, ...)."""
         named = {}
         for side, pool in self._pools.items():
             named[f"{side}_data"] = pool.data
@@ -77,12 +132,22 @@ class PagedKVCache:
     # -- access -------------------------------------------------------------------------
 
     def write(self, layer: int, slot_mapping: Tensor, k: Tensor, v: Tensor) -> None:
-        """Quantize ``k``/``v`` ``[T, H, D]`` and store token ``t`` at ``slot_mapping[t]``."""
+        """Quantize ``k``/``v`` ``[T, H, D]`` and store token ``t`` at ``slot_mapping[t]``
+        (per-token scales only: a staged cache takes whole blocks, see :meth:`write_blocks`)."""
+        if self.staging is not None:
+            raise RuntimeError("a cache with per-block scales is written block by block")
         for side, x in zip(_SIDES, (k, v)):
             encoded = self.codecs[side].quantize(x)
             pool = self._pools[side]
             for stored, new in self._fields(pool, encoded):
                 stored[layer].flatten(0, 1)[slot_mapping] = new
+
+    def write_blocks(self, layer: int, block_ids: Tensor, k: Tensor, v: Tensor) -> None:
+        """Quantize whole blocks ``k``/``v`` ``[n, block_size, H, D]`` into ``block_ids [n]``."""
+        for side, x in zip(_SIDES, (k, v)):
+            encoded = self.codecs[side].quantize(x)
+            for stored, new in self._fields(self._pools[side], encoded):
+                stored[layer][block_ids] = new
 
     def read(self, layer: int, block_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Dequantized K and V of the given blocks: ``[..., n] -> [..., n * block_size, H, D]``."""

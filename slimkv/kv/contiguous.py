@@ -15,8 +15,9 @@ from slimkv.sequence import Sequence
 
 
 class ContiguousKVManager(KVCacheManager):
-    def __init__(self, pool: BlockPool, block_size: int, max_model_len: int) -> None:
-        super().__init__(pool, block_size)
+    def __init__(self, pool: BlockPool, block_size: int, max_model_len: int,
+                 num_staging_slots: int = 1) -> None:
+        super().__init__(pool, block_size, num_staging_slots=num_staging_slots)
         self.reserve_blocks = -(-max_model_len // block_size)
         self.false_oom_requests: set[str] = set()
         self._live: dict[str, Sequence] = {}

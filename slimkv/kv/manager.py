@@ -26,8 +26,10 @@ class KVCacheManager:
     protected until every other free block is used.
     """
 
-    def __init__(self, pool: BlockPool, block_size: int, session_ttl_s: float = 600.0) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, session_ttl_s: float = 600.0,
+                 num_staging_slots: int = 1) -> None:
         self.pool = pool
+        self._free_staging = list(range(num_staging_slots - 1, -1, -1))
         self.block_size = block_size
         self.session_ttl_s = session_ttl_s
         self.sessions: dict[Hashable, _Session] = {}
@@ -86,8 +88,22 @@ class KVCacheManager:
         for block, block_hash in zip(seq.blocks[:num_full], self._block_hashes(seq, num_full)):
             self.pool.cache_block(block, block_hash)
 
+    def staging_slot(self, seq: Sequence) -> int:
+        """The sequence's staging slot (:mod:`slimkv.kv.staging`), given on first use and
+        kept until :meth:`free`. A recompute after preemption starts at a block boundary,
+        so a new slot's stale contents are never read."""
+        if seq.staging_slot is None:
+            if not self._free_staging:
+                raise RuntimeError("no free KV staging slot: more sequences are running than "
+                                   "kv_cache.max_concurrency_soft + 1")
+            seq.staging_slot = self._free_staging.pop()
+        return seq.staging_slot
+
     def free(self, seq: Sequence) -> None:
-        """Return a sequence's blocks tail-first and forget it."""
+        """Return a sequence's blocks tail-first, its staging slot, and forget it."""
+        if seq.staging_slot is not None:
+            self._free_staging.append(seq.staging_slot)
+            seq.staging_slot = None
         if seq.session_id is not None:
             self._remember_session(seq)
         self.pool.free_blocks(reversed(seq.blocks))

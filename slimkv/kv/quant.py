@@ -1,9 +1,13 @@
 """KV element formats ("codecs"): how one token-head vector of K or V is stored.
 
-A codec turns ``x[..., head_dim]`` into a :class:`QuantizedKV`: a data tensor
-``[..., data_width]`` of ``storage_dtype`` plus named auxiliary float16 tensors
-``[..., width]`` (scales, zero points). The pool allocates whatever ``aux_widths`` lists,
-so a new scale scheme is a new codec; the cache and attention code stay unchanged.
+A codec turns a block ``x[..., block_size, num_heads, head_dim]`` into a
+:class:`QuantizedKV`: a data tensor ``[..., block_size, num_heads, data_width]`` of
+``storage_dtype`` plus named auxiliary float16 tensors (scales, zero points). Per-token aux
+(``aux_widths``) is ``[..., block_size, num_heads, width]``; per-block aux
+(``block_aux_widths``, e.g. per-channel key scales over a block's tokens, see
+:mod:`slimkv.kv.block_scales`) is ``[..., num_heads, width]``. The pool allocates whatever
+the codec lists, so a new scale scheme is a new codec; the cache code stays unchanged.
+Per-token codecs accept any leading shape ``[..., head_dim]``.
 
 Scales are computed in float32, rounded to the stored float16 and then *used in that
 rounded form* to quantize, so dequantization reproduces exactly what quantization assumed.
@@ -54,12 +58,23 @@ class KVCodec(ABC):
 
     @property
     def aux_widths(self) -> dict[str, int]:
-        """Float16 values stored per token-head for each auxiliary tensor."""
+        """Float16 values stored per token-head for each per-token auxiliary tensor."""
+        return {}
+
+    @property
+    def block_aux_widths(self) -> dict[str, int]:
+        """Float16 values stored per block-head for each per-block auxiliary tensor."""
         return {}
 
     def bytes_per_token_head(self) -> int:
+        """Bytes of data and per-token aux of one token-head (per-block aux excluded)."""
         data = self.data_width * self.storage_dtype.itemsize
         return data + sum(self.aux_widths.values()) * AUX_DTYPE.itemsize
+
+    def bytes_per_block_head(self, block_size: int) -> int:
+        """Exact bytes of one head of one block: data, per-token and per-block aux."""
+        block_aux = sum(self.block_aux_widths.values()) * AUX_DTYPE.itemsize
+        return block_size * self.bytes_per_token_head() + block_aux
 
     @abstractmethod
     def quantize(self, x: Tensor) -> QuantizedKV:
@@ -173,15 +188,29 @@ class Int4Codec(KVCodec):
 
     def quantize(self, x: Tensor) -> QuantizedKV:
         groups = x.float().unflatten(-1, (self.num_groups, self.group_size))
-        low, high = groups.amin(-1), groups.amax(-1)
-        zero = (low - low.abs() * self._MARGIN).to(AUX_DTYPE)
-        scale = _stored_scale((high - zero.float()) / self.QMAX * (1 + self._MARGIN))
+        zero, scale = self.affine(groups.amin(-1), groups.amax(-1))
         q = (groups - zero.float()[..., None]) / scale.float()[..., None]
         q = q.round().clamp(0, self.QMAX).to(torch.uint8).flatten(-2)
-        return QuantizedKV(q[..., 0::2] | (q[..., 1::2] << 4), {"scale": scale, "zero": zero})
+        return QuantizedKV(self.pack(q), {"scale": scale, "zero": zero})
+
+    @classmethod
+    def affine(cls, low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:
+        """Stored float16 ``(zero, scale)`` covering ``[low, high]`` with ``QMAX + 1`` levels."""
+        zero = (low - low.abs() * cls._MARGIN).to(AUX_DTYPE)
+        return zero, _stored_scale((high - zero.float()) / cls.QMAX * (1 + cls._MARGIN))
+
+    @staticmethod
+    def pack(q: Tensor) -> Tensor:
+        """``uint8`` nibbles ``[..., 2n]`` -> bytes ``[..., n]`` (even index in the low nibble)."""
+        return q[..., 0::2] | (q[..., 1::2] << 4)
+
+    @staticmethod
+    def unpack(data: Tensor) -> Tensor:
+        """The inverse of :meth:`pack`."""
+        return torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2)
 
     def dequantize(self, q: QuantizedKV, dtype: torch.dtype) -> Tensor:
-        nibbles = torch.stack((q.data & 0xF, q.data >> 4), dim=-1).flatten(-2)
+        nibbles = self.unpack(q.data)
         groups = nibbles.float().unflatten(-1, (self.num_groups, self.group_size))
         x = groups * q.aux["scale"].float()[..., None] + q.aux["zero"].float()[..., None]
         return x.flatten(-2).to(dtype)

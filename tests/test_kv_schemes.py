@@ -1,0 +1,164 @@
+"""Scale layouts: per-channel key scales per block, the staging block and its hand-over,
+chunking invariance and fast == reference on a staged cache, prefix hits on quantized blocks,
+and exact byte accounting."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from slimkv.attention import AttentionMetadata, PagedAttention
+from slimkv.kv.block_scales import ChannelBlockInt4Codec, per_channel_block
+from slimkv.kv.cache import PagedKVCache, side_codec
+from slimkv.kv.quant import Int4Codec
+from slimkv.kv.staging import Staging
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS, SLOTS = 4, 2, 32, 4, 32, 3
+SCALE = 1 / math.sqrt(HEAD_DIM)
+SCHEMES = [("int8", "per_channel_block", "per_token"), ("fp8", "per_channel_block", "per_token"),
+           ("int4", "per_channel_block", "group32"), ("int4", "per_channel_block", "per_token")]
+
+
+def _keys(blocks: int = 3, seed: int = 0) -> torch.Tensor:
+    """Blocks ``[n, BLOCK, H, D]`` of keys with outlier channels, as after RoPE."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
+    return x * torch.where(torch.arange(HEAD_DIM) % 7 == 0, 20.0, 1.0)
+
+
+def _round_trip(name: str) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    x = _keys()
+    codec = per_channel_block(name, HEAD_DIM)
+    q = codec.quantize(x)
+    return x, codec.dequantize(q, torch.float32), q.aux
+
+
+def test_int8_per_channel_block_error_is_half_a_step_per_channel() -> None:
+    x, y, aux = _round_trip("int8")
+    step = aux["scale"].float().unsqueeze(-3)
+    assert aux["scale"].shape == (3, KV_HEADS, HEAD_DIM)
+    assert ((x - y).abs() <= step / 2 * (1 + 1e-3)).all()
+
+
+def test_fp8_per_channel_block_error_within_e4m3_rounding() -> None:
+    x, y, aux = _round_trip("fp8")
+    scale = aux["scale"].float().unsqueeze(-3)
+    # e4m3: 3 mantissa bits (relative half-ulp 2**-4); subnormal step 2**-9 in scaled units.
+    bound = torch.maximum(x.abs() * 2**-4, scale * 2**-10) * (1 + 1e-3)
+    assert ((x - y).abs() <= bound).all()
+
+
+def test_int4_per_channel_block_error_is_half_a_step_per_channel() -> None:
+    x, y, aux = _round_trip("int4")
+    step = aux["scale"].float().unsqueeze(-3)
+    assert aux["zero"].shape == (3, KV_HEADS, HEAD_DIM)
+    assert ((x - y).abs() <= step / 2 * (1 + 1e-3)).all()
+
+
+def test_per_channel_beats_per_token_on_outlier_channels() -> None:
+    x = _keys()
+    for name in ("int8", "int4"):
+        per_token = side_codec(name, HEAD_DIM, "per_token")
+        channel = side_codec(name, HEAD_DIM, "per_channel_block")
+        err_token = (per_token.dequantize(per_token.quantize(x), torch.float32) - x).abs().mean()
+        err_channel = (channel.dequantize(channel.quantize(x), torch.float32) - x).abs().mean()
+        assert err_channel < err_token, name
+
+
+def test_packed_int4_layout_per_channel_block() -> None:
+    """Channel ``2i`` in the low nibble of byte ``i``, ``2i + 1`` in the high nibble."""
+    codec = per_channel_block("int4", HEAD_DIM)
+    assert isinstance(codec, ChannelBlockInt4Codec) and codec.data_width == HEAD_DIM // 2
+    x = _keys(1)
+    q = codec.quantize(x)
+    assert q.data.dtype == torch.uint8 and q.data.shape == (1, BLOCK, KV_HEADS, HEAD_DIM // 2)
+    levels = ((x - q.aux["zero"].float()) / q.aux["scale"].float()).round().clamp(0, 15)
+    assert torch.equal((q.data & 0xF).float(), levels[..., 0::2])
+    assert torch.equal((q.data >> 4).float(), levels[..., 1::2])
+    assert torch.equal(Int4Codec.unpack(q.data).float(), levels)
+
+
+def _cache(k_dtype: str, k_scale: str, v_scale: str) -> PagedKVCache:
+    return PagedKVCache(num_layers=2, num_blocks=NUM_BLOCKS, block_size=BLOCK,
+                        num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, k_dtype=k_dtype,
+                        v_dtype=k_dtype, device=torch.device("cpu"), k_scale=k_scale,
+                        v_scale=v_scale, num_staging=SLOTS)
+
+
+@pytest.mark.parametrize("name,k_scale,v_scale", SCHEMES)
+def test_staging_hands_over_at_exactly_block_size_tokens(name: str, k_scale: str,
+                                                         v_scale: str) -> None:
+    cache = _cache(name, k_scale, v_scale)
+    x = _keys(1)[0]
+    before = cache.tensors()["k_data"][1, 5].clone()
+    blocks = torch.tensor([5])
+    for t in range(BLOCK - 1):
+        cache.staging.append(1, 2, t, blocks, x[t:t + 1], -x[t:t + 1])
+        assert torch.equal(cache.tensors()["k_data"][1, 5], before)  # still staged only
+    cache.staging.append(1, 2, BLOCK - 1, blocks, x[-1:], -x[-1:])
+    expected = cache.codecs["k"].quantize(x[None])
+    assert torch.equal(cache.tensors()["k_data"][1, 5], expected.data[0])
+    for aux, t in expected.aux.items():
+        assert torch.equal(cache.tensors()[f"k_{aux}"][1, 5], t[0])
+    k, v = cache.read(1, blocks, torch.float32)
+    assert torch.equal(k, cache.codecs["k"].dequantize(expected, torch.float32)[0])
+    own_k, own_v = cache.staging.own_blocks(1, torch.tensor([2]), torch.float32)
+    assert torch.equal(own_k[0], x) and torch.equal(own_v[0], -x)  # the full block stays staged
+
+
+def test_staged_cache_refuses_token_writes() -> None:
+    with pytest.raises(RuntimeError):
+        _cache("int8", "per_channel_block", "per_token").write(0, torch.arange(2),
+                                                               *_keys(1)[0, :2].repeat(2, 1, 1, 1))
+
+
+def _run(name: str, lengths: list[int], schedule: list[list[int]], fast: bool) -> torch.Tensor:
+    """Attention outputs ``[sum(lengths), HEADS, D]`` of sequences fed in steps: step ``j``
+    gives sequence ``i`` ``schedule[i][j]`` tokens (all sequences in one batch per step)."""
+    gen = torch.Generator().manual_seed(1)
+    cache = _cache(name, "per_channel_block", "per_token")
+    attn = PagedAttention(cache, HEADS, SCALE, torch.float32, fast=fast)
+    qkv = [[torch.randn(n, h, HEAD_DIM, generator=gen) * 3 for h in (HEADS, KV_HEADS, KV_HEADS)]
+           for n in lengths]
+    blocks = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(len(lengths))]  # padded tables
+    done, outs = [0] * len(lengths), [[] for _ in lengths]
+    for j in range(max(len(s) for s in schedule)):
+        step = [(i, s[j]) for i, s in enumerate(schedule) if j < len(s)]
+        lens = [n for _, n in step]
+        seq_lens = [done[i] + n for i, n in step]
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(0, dtype=torch.long),
+            query_start_loc=[0, *torch.tensor(lens).cumsum(0).tolist()], query_lens=lens,
+            seq_lens=seq_lens, block_tables=torch.tensor([blocks[i] for i, _ in step]),
+            seq_lens_t=torch.tensor(seq_lens), staging_slots=torch.tensor([i for i, _ in step]))
+        q, k, v = (torch.cat([qkv[i][f][done[i]:done[i] + n] for i, n in step]) for f in range(3))
+        out = attn(1, q, k, v, meta)
+        for (i, n), rows in zip(step, out.split(lens)):
+            outs[i].append(rows)
+            done[i] += n
+    return torch.cat([torch.cat(o) for o in outs])
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_staged_chunking_invariance_and_fast_equals_reference(name: str) -> None:
+    lengths = [13, 8, 6]
+    whole = _run(name, lengths, [[13], [8], [6]], fast=True)
+    chunked = _run(name, lengths, [[3, 5, 1, 1, 3], [4, 1, 1, 1, 1], [1] * 6], fast=True)
+    reference = _run(name, lengths, [[3, 5, 1, 1, 3], [4, 1, 1, 1, 1], [1] * 6], fast=False)
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(reference, chunked, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,k_scale,v_scale", SCHEMES)
+def test_bytes_match_allocation(name: str, k_scale: str, v_scale: str) -> None:
+    cache = _cache(name, k_scale, v_scale)
+    shape = dict(num_layers=2, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, k_dtype=name,
+                 v_dtype=name, k_scale=k_scale, v_scale=v_scale)
+    assert cache.nbytes == NUM_BLOCKS * PagedKVCache.block_bytes(**shape, block_size=BLOCK)
+    assert cache.staging_nbytes == Staging.bytes(2, KV_HEADS, HEAD_DIM, BLOCK, SLOTS,
+                                                 torch.float32)
+    assert PagedKVCache.num_blocks_for_budget(
+        cache.nbytes + cache.staging_nbytes, BLOCK, **shape,
+        reserved_bytes=cache.staging_nbytes) == NUM_BLOCKS
