@@ -19,6 +19,7 @@ import torch
 
 from slimkv.config import ConfigError
 from slimkv.kv.cache import PagedKVCache
+from slimkv.kv.staging import Staging
 from slimkv.model.llama import ModelArgs, Transformer
 from slimkv.profiler import activation_peak, weight_bytes
 
@@ -115,7 +116,7 @@ class Plan:
 
 def plan(model: str, memory: int, *, context: int = 32768, sessions: int = 48,
          weight_dtype: str = "bf16", block_size: int = 16, batch_tokens: int = 512,
-         kv_dtypes: tuple[str, ...] = PLAN_KV_DTYPES) -> Plan:
+         kv_dtypes: tuple[str, ...] = PLAN_KV_DTYPES, k_scale: str = "per_token") -> Plan:
     """Plan ``model`` on a device with ``memory`` bytes for the engine (see module doc)."""
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"unknown weight dtype {weight_dtype!r}; choose one of {', '.join(WEIGHT_DTYPES)}")
@@ -133,17 +134,23 @@ def plan(model: str, memory: int, *, context: int = 32768, sessions: int = 48,
         raise ValueError(f"{name} does not fit in {memory / 2**30:.1f} GiB: its {weight_dtype} "
                          f"weights take {weights / 2**30:.2f} GiB and the activation reserve "
                          f"{reserve / 2**30:.2f} GiB, leaving nothing for the KV cache")
-    rows = [_row(args, kv, budget, block_size, context, sessions) for kv in kv_dtypes]
+    rows = [_row(args, kv, budget, block_size, context, sessions, k_scale, dtype)
+            for kv in kv_dtypes]
     return Plan(name, memory, WEIGHT_DTYPES[weight_dtype], weights, reserve, budget, block_size,
                 context, sessions, args.max_position_embeddings, rows)
 
 
 def _row(args: ModelArgs, kv: str, budget: int, block_size: int, context: int,
-         sessions: int) -> KVRow:
+         sessions: int, k_scale: str, dtype: torch.dtype) -> KVRow:
+    """One dtype's capacity; a staged layout sets aside a staging block per session (+1
+    for scoring), as the engine does."""
     shape = dict(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
-                 head_dim=args.head_dim, k_dtype=kv, v_dtype=kv)
-    blocks = PagedKVCache.num_blocks_for_budget(budget, block_size, **shape)
-    return KVRow(kv, PagedKVCache.bytes_per_token(**shape), blocks,
+                 head_dim=args.head_dim, k_dtype=kv, v_dtype=kv, k_scale=k_scale)
+    staged = PagedKVCache.is_staged(kv, kv, args.head_dim, k_scale, None)
+    staging = Staging.bytes(args.num_layers, args.num_kv_heads, args.head_dim, block_size,
+                            sessions + 1, dtype) if staged else 0
+    blocks = PagedKVCache.num_blocks_for_budget(budget, block_size, **shape, reserved_bytes=staging)
+    return KVRow(kv, PagedKVCache.bytes_per_token(**shape, block_size=block_size), blocks,
                  max_sessions=blocks // -(-context // block_size),
                  context_at_sessions=blocks // sessions * block_size)
 

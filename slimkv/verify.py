@@ -38,7 +38,7 @@ class CheckedAttention:
                  meta: AttentionMetadata) -> torch.Tensor:
         a = self.attention
         out = a(layer, q, k, v, meta)
-        ref = reference_paged_attention(a.cache, layer, q, meta, a.scale, a.dtype).float()
+        ref = reference_paged_attention(a.cache, layer, q, meta, a.scale, a.dtype, a.fresh).float()
         error = ((out.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
         self.errors[layer] = max(self.errors[layer], error)
         return out

@@ -162,3 +162,33 @@ def test_bytes_match_allocation(name: str, k_scale: str, v_scale: str) -> None:
     assert PagedKVCache.num_blocks_for_budget(
         cache.nbytes + cache.staging_nbytes, BLOCK, **shape,
         reserved_bytes=cache.staging_nbytes) == NUM_BLOCKS
+
+
+@pytest.mark.slow
+def test_prefix_hits_on_quantized_blocks_equal_cold_prefill() -> None:
+    """The second request reuses the first one's full (quantized) blocks; its logits and
+    greedy tokens equal a cold prefill of the same prompt on a fresh engine."""
+    from slimkv.config import Config
+    from slimkv.engine import LLMEngine
+    from slimkv.sampling import SamplingParams
+
+    config = Config.load().replace("model", device="cpu").replace(
+        "kv_cache", k_scale="per_channel_block", num_blocks=64)
+    prompt = list(range(1000, 1045))
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+
+    def generate(engine: LLMEngine) -> list[int]:
+        seq = engine.add_request(prompt, params)
+        while engine.has_unfinished():
+            engine.step()
+        return seq.output_token_ids
+
+    warm = LLMEngine(config)
+    generate(warm)
+    hit = warm.add_request(list(prompt), params)
+    while warm.has_unfinished():
+        warm.step()
+    assert hit.num_cached_tokens == 32  # two full quantized blocks
+    cold = generate(LLMEngine(config))
+    assert hit.output_token_ids == cold
+    assert warm.memory_split()["kv_staging"] == warm.cache.staging_nbytes > 0
