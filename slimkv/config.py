@@ -24,6 +24,8 @@ KV_DTYPES = (
 # Scale layouts (float KV dtypes have no scales and ignore them; see slimkv/kv/cache.py).
 K_SCALES = ("per_token", "per_channel_block")
 V_SCALES = ("per_token", "group32")
+# Chosen by the eval harness: see README, "KV scale layouts".
+DEFAULT_K_SCALE = "per_channel_block"
 EVICT_POLICIES = ("lru_block", "fifo")
 SCHEDULER_POLICIES = ("weighted", "fcfs")
 DEFAULT_CONFIG_PATH = Path(__file__).parent / "configs" / "default.yaml"
@@ -74,7 +76,7 @@ class KVCacheConfig:
     dtype: str = "int8"
     k_dtype: str | None = None
     v_dtype: str | None = None
-    k_scale: str = "per_token"
+    k_scale: str = DEFAULT_K_SCALE
     v_scale: str = "per_token"
     paged: bool = True
     block_size: int = 16

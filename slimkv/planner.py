@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from slimkv.config import ConfigError
+from slimkv.config import DEFAULT_K_SCALE, ConfigError
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
 from slimkv.model.llama import ModelArgs, Transformer
@@ -116,7 +116,8 @@ class Plan:
 
 def plan(model: str, memory: int, *, context: int = 32768, sessions: int = 48,
          weight_dtype: str = "bf16", block_size: int = 16, batch_tokens: int = 512,
-         kv_dtypes: tuple[str, ...] = PLAN_KV_DTYPES, k_scale: str = "per_token") -> Plan:
+         kv_dtypes: tuple[str, ...] = PLAN_KV_DTYPES,
+         k_scale: str = DEFAULT_K_SCALE) -> Plan:
     """Plan ``model`` on a device with ``memory`` bytes for the engine (see module doc)."""
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"unknown weight dtype {weight_dtype!r}; choose one of {', '.join(WEIGHT_DTYPES)}")

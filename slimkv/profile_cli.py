@@ -52,9 +52,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print_json(report)
         return 0
     m = measured
-    print(f"{engine.model_name} on {engine.device}, KV {engine.k_dtype}/{engine.v_dtype}, "
+    print(f"{engine.model_name} on {engine.device}, KV {engine.k_dtype}/{engine.v_dtype} "
+          f"(K scales {engine.config.kv_cache.k_scale}), "
           f"{args.sessions} sessions x {args.context} tokens")
-    for key in ("weights", "kv_allocated", "kv_in_use", "activations", "activations_startup", "other"):
+    for key in ("weights", "kv_allocated", "kv_in_use", "kv_staging", "activations",
+                "activations_startup", "other"):
         print(f"  {key:<20} {m[key] / MiB:>10.1f} MiB")
     print(f"  KV blocks: {m['kv_blocks_in_use']} in use of {m['kv_blocks']} x "
           f"{m['kv_bytes_per_block']} B\n  measured by: {m['method']}\n{advice}")

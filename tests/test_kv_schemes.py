@@ -12,7 +12,7 @@ import torch
 from slimkv.attention import AttentionMetadata, PagedAttention
 from slimkv.kv.block_scales import ChannelBlockInt4Codec, per_channel_block
 from slimkv.kv.cache import PagedKVCache, side_codec
-from slimkv.kv.quant import Int4Codec
+from slimkv.kv.quant import Int4Codec, make_codec
 from slimkv.kv.staging import Staging
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS, SLOTS = 4, 2, 32, 4, 32, 3
@@ -30,7 +30,7 @@ def _keys(blocks: int = 3, seed: int = 0) -> torch.Tensor:
 
 def _round_trip(name: str) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     x = _keys()
-    codec = per_channel_block(name, HEAD_DIM)
+    codec = per_channel_block(make_codec(name, HEAD_DIM))
     q = codec.quantize(x)
     return x, codec.dequantize(q, torch.float32), q.aux
 
@@ -69,7 +69,7 @@ def test_per_channel_beats_per_token_on_outlier_channels() -> None:
 
 def test_packed_int4_layout_per_channel_block() -> None:
     """Channel ``2i`` in the low nibble of byte ``i``, ``2i + 1`` in the high nibble."""
-    codec = per_channel_block("int4", HEAD_DIM)
+    codec = per_channel_block(make_codec("int4", HEAD_DIM))
     assert isinstance(codec, ChannelBlockInt4Codec) and codec.data_width == HEAD_DIM // 2
     x = _keys(1)
     q = codec.quantize(x)

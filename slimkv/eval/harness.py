@@ -84,9 +84,13 @@ class EvalRun:
 
 def eval_config(config: Config, dtype: str, max_context: int) -> Config:
     """``config`` with ``dtype`` for K and V and a pool of 1.5 times the longest context (a
-    small pool per dtype, since every dtype's engine stays alive for the run)."""
+    small pool per dtype, since every dtype's engine stays alive for the run). ``dtype`` may
+    name a key scale layout too, ``int4:per_channel_block``; without one the config's
+    ``kv_cache.k_scale`` applies."""
     blocks = math.ceil(1.5 * max_context / config.kv_cache.block_size)
-    config = config.replace("kv_cache", dtype=dtype, k_dtype=None, v_dtype=None, num_blocks=blocks)
+    dtype, _, k_scale = dtype.partition(":")
+    config = config.replace("kv_cache", dtype=dtype, k_dtype=None, v_dtype=None, num_blocks=blocks,
+                            k_scale=k_scale or config.kv_cache.k_scale)
     budget = max(config.scheduler.max_num_batched_tokens, _STEP_TOKENS)
     return config.replace("scheduler", max_num_batched_tokens=budget)
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from slimkv.kv.quant import (Fp8Codec, Int4Codec, Int8Codec, KVCodec,
-                             PerTokenHeadCodec, QuantizedKV, _stored_scale, make_codec)
+                             PerTokenHeadCodec, QuantizedKV, _stored_scale)
 
 _TOKENS = -3
 
@@ -77,12 +77,12 @@ class ChannelBlockInt4Codec(KVCodec):
         return x.to(dtype)
 
 
-def per_channel_block(name: str, head_dim: int) -> KVCodec:
-    """The per-channel-per-block codec for ``int8``, ``fp8*`` or ``int4``."""
-    element = make_codec(name, head_dim)
+def per_channel_block(element: KVCodec) -> KVCodec:
+    """The per-channel-per-block layout of a per-token ``element`` codec (int8, fp8, int4),
+    sharing its element encoding."""
     if isinstance(element, (Int8Codec, Fp8Codec)):
         return ChannelBlockCodec(element)
     if isinstance(element, Int4Codec):
         return ChannelBlockInt4Codec(element)
-    raise ValueError(f"per_channel_block key scales need a quantized KV dtype, got {name!r}")
+    raise ValueError(f"per_channel_block key scales need a quantized KV dtype, got {element.name!r}")
 

@@ -30,7 +30,7 @@ def side_codec(name: str, head_dim: int, scale: str | None) -> KVCodec:
     ``per_channel_block``: see :mod:`slimkv.kv.block_scales`. Float dtypes have no scales."""
     codec = make_codec(name, head_dim)
     if scale == "per_channel_block" and not isinstance(codec, FloatCodec):
-        return per_channel_block(name, head_dim)
+        return per_channel_block(codec)
     return codec
 
 
