@@ -164,6 +164,19 @@ def test_bytes_match_allocation(name: str, k_scale: str, v_scale: str) -> None:
         reserved_bytes=cache.staging_nbytes) == NUM_BLOCKS
 
 
+def test_planner_accounts_for_block_scales_and_staging() -> None:
+    from slimkv.planner import plan
+
+    p = plan("llama-3.1-8b", 80 * 2**30, context=32768, sessions=48, kv_dtypes=("int8",),
+             k_scale="per_channel_block")
+    [row] = p.rows
+    # 32 layers x 8 KV heads; K: 128 int8 + 128 float16 scales per 16-token block-head;
+    # V: 128 int8 + one float16 scale per token-head.
+    assert row.bytes_per_token == 32 * 8 * (128 + 128 * 2 // 16 + 128 + 2)
+    staging = Staging.bytes(32, 8, 128, 16, 48 + 1, torch.bfloat16)
+    assert row.num_blocks == (p.kv_budget - staging) // (16 * row.bytes_per_token)
+
+
 @pytest.mark.slow
 def test_prefix_hits_on_quantized_blocks_equal_cold_prefill() -> None:
     """The second request reuses the first one's full (quantized) blocks; its logits and
@@ -192,3 +205,28 @@ def test_prefix_hits_on_quantized_blocks_equal_cold_prefill() -> None:
     cold = generate(LLMEngine(config))
     assert hit.output_token_ids == cold
     assert warm.memory_split()["kv_staging"] == warm.cache.staging_nbytes > 0
+
+
+@pytest.mark.slow
+def test_harness_quick_suite_per_channel_block_bounds() -> None:
+    """The quick suite's corpus windows against float32 KV: int8 with per-channel key
+    scales within 0.05% perplexity and >= 99% top-1; int4 with them loses at least 3x less
+    perplexity than int4 in groups of 32."""
+    import dataclasses
+
+    from slimkv.config import Config
+    from slimkv.eval.harness import SUITES, run_eval
+    from slimkv.eval.report import metrics, regressions
+
+    suite = dataclasses.replace(SUITES["quick"], passkey_contexts=(), depths=(),
+                                document_contexts=(), conversation_contexts=())
+    ev = run_eval(Config.load().replace("model", device="cpu"),
+                  ["int8:per_channel_block", "int4:per_token", "int4:per_channel_block"], suite,
+                  progress=False)
+    runs = {run.dtype: run for run in ev.runs}
+    int8 = runs["int8:per_channel_block"]
+    assert abs(regressions(int8, ev)["perplexity"]) <= 0.05
+    assert metrics(int8, ev)["top1_agreement"] >= 99
+    loss_group = regressions(runs["int4:per_token"], ev)["perplexity"]
+    loss_channel = regressions(runs["int4:per_channel_block"], ev)["perplexity"]
+    assert loss_group > 0 and loss_channel * 3 <= loss_group

@@ -21,7 +21,7 @@ def _row(p: Plan, kv_dtype: str) -> KVRow:
 
 @pytest.fixture(scope="module")
 def llama3() -> Plan:
-    return plan("llama-3.1-8b", 80 * GiB, context=32768, sessions=48)
+    return plan("llama-3.1-8b", 80 * GiB, context=32768, sessions=48, k_scale="per_token")
 
 
 def test_builtin_models_shipped() -> None:

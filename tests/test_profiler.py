@@ -29,7 +29,8 @@ def test_profile_kv_bytes_int8_vs_bfloat16() -> None:
 
     reports = {}
     for kv in ("bfloat16", "int8"):
-        engine = LLMEngine(Config.from_dict({"kv_cache": {"dtype": kv, "num_blocks": 64},
+        engine = LLMEngine(Config.from_dict({"kv_cache": {"dtype": kv, "num_blocks": 64,
+                                                          "k_scale": "per_token"},
                                              "scheduler": {"max_num_batched_tokens": 128}}))
         m = run_workload(engine, sessions=2, context=48)
         assert m["kv_allocated"] == engine.pool.num_blocks * engine.cache.bytes_per_block
