@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from slimkv.kv.cache import PagedKVCache
+from slimkv.own_block import Fresh, staged_context
 
 # Set to 0 to force the reference (fallback) path, e.g. to prove `slimkv verify` catches it.
 FAST_ENV = "SLIMKV_ATTENTION_FAST"
@@ -42,17 +43,7 @@ class AttentionMetadata:
     seq_lens: list[int]             # [B] context length per sequence after this step
     block_tables: torch.Tensor      # [B, max_blocks] int64, padded with 0 past each table's end
     seq_lens_t: torch.Tensor        # [B] int64, seq_lens on the device
-    staging_slots: torch.Tensor | None = None  # [B] int64: staging slot per sequence (staged caches)
-
-
-@dataclass(slots=True)
-class Fresh:
-    """A sequence's new K/V at full precision, from ``start`` (the first position of the
-    block holding its first new token) to its last token."""
-
-    start: int
-    k: Tensor
-    v: Tensor
+    staging_slots: torch.Tensor | None = None  # [B] int64: staging slot per sequence
 
 
 def _context_mask(seq_lens: Tensor, query_len: int, num_keys: int) -> Tensor:
@@ -65,42 +56,6 @@ def _context_mask(seq_lens: Tensor, query_len: int, num_keys: int) -> Tensor:
     query_pos = seq_lens[:, None] - query_len + torch.arange(query_len, device=seq_lens.device)
     key_pos = torch.arange(num_keys, device=seq_lens.device)
     return key_pos[None, None, :] <= query_pos[:, :, None]
-
-
-def _read_context(cache: PagedKVCache, layer: int, block_tables: Tensor, max_len: int,
-                  dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """K and V ``[B, num_blocks * block_size, H_kv, D]`` of just the blocks covering ``max_len``."""
-    num_blocks = -(-max_len // cache.block_size)
-    return cache.read(layer, block_tables[:, :num_blocks], dtype)
-
-
-def _own_block_mask(seq_len: int, query_len: int, num_pool_keys: int, fresh_start: int,
-                    fresh_len: int, block_size: int, device: torch.device) -> Tensor:
-    """``[query_len, num_pool_keys + fresh_len]`` bool for keys = pool keys then fresh keys:
-    a query sees pool keys of earlier blocks and fresh keys of its own block up to itself."""
-    query_pos = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
-    own_start = query_pos // block_size * block_size
-    pool_pos = torch.arange(num_pool_keys, device=device)[None]
-    fresh_pos = fresh_start + torch.arange(fresh_len, device=device)[None]
-    return torch.cat((pool_pos < own_start, (fresh_pos >= own_start) & (fresh_pos <= query_pos)), 1)
-
-
-def _staged_context(cache: PagedKVCache, layer: int, meta: AttentionMetadata, i: int,
-                    fresh: Fresh | None, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """Sequence ``i``'s keys, values ``[1, n, H, D]`` (pool blocks, then its full-precision
-    own blocks) and mask ``[1, query_len, n]``. Without ``fresh`` (a decode), the own block
-    comes from the staging slot."""
-    seq_len, q_len, bs = meta.seq_lens[i], meta.query_lens[i], cache.block_size
-    if fresh is None:
-        start = (seq_len - 1) // bs * bs
-        slot = meta.staging_slots[i:i + 1]
-        own_k, own_v = (x[0, :seq_len - start] for x in cache.staging.own_blocks(layer, slot, dtype))
-        fresh = Fresh(start, own_k, own_v)
-    k, v = _read_context(cache, layer, meta.block_tables[i:i + 1], seq_len, dtype)
-    mask = _own_block_mask(seq_len, q_len, k.shape[1], fresh.start, len(fresh.k), bs, k.device)
-    k = torch.cat((k, fresh.k[None].to(dtype)), 1)
-    v = torch.cat((v, fresh.v[None].to(dtype)), 1)
-    return k, v, mask[None]
 
 
 def _gqa_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
@@ -137,10 +92,11 @@ def reference_paged_attention(cache: PagedKVCache, layer: int, q: Tensor, meta: 
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens)):
         rows = slice(meta.query_start_loc[i], meta.query_start_loc[i] + q_len)
         if cache.staging is None:
-            k, v = _read_context(cache, layer, meta.block_tables[i:i + 1], seq_len, torch.float32)
+            k, v = cache.read_prefix(layer, meta.block_tables[i:i + 1], seq_len, torch.float32)
             mask = _context_mask(meta.seq_lens_t[i:i + 1], q_len, k.shape[1])
         else:
-            k, v, mask = _staged_context(cache, layer, meta, i, fresh.get(i), torch.float32)
+            k, v, mask = staged_context(cache, layer, meta.block_tables[i:i + 1], seq_len, q_len,
+                                        meta.staging_slots[i:i + 1], fresh.get(i), torch.float32)
         k = k[0].repeat_interleave(group, dim=1)
         v = v[0].repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[rows].float(), k) * scale
@@ -181,7 +137,8 @@ class PagedAttention:
         if not self.fast:
             return f"the fast attention path is disabled (fast=False or {FAST_ENV}=0)"
         for codec in self.cache.codecs.values():
-            probe = torch.zeros(1, self.cache.block_size, 1, codec.head_dim, device=self.cache.device)
+            probe = torch.zeros(1, self.cache.block_size, 1, codec.head_dim,
+                                device=self.cache.device)
             try:
                 codec.dequantize(codec.quantize(probe), self.dtype)
             except (RuntimeError, TypeError) as exc:
@@ -244,12 +201,13 @@ class PagedAttention:
         rows = torch.tensor([meta.query_start_loc[i] for i in seqs], device=q.device)
         index = torch.tensor(seqs, device=meta.block_tables.device)
         max_len = max(meta.seq_lens[i] for i in seqs)
-        k, v = _read_context(self.cache, layer, meta.block_tables[index], max_len, self.dtype)
+        k, v = self.cache.read_prefix(layer, meta.block_tables[index], max_len, self.dtype)
         if self.cache.staging is not None:
             bs = self.cache.block_size
             own = (meta.seq_lens_t[index] - 1) // bs
             batch = torch.arange(len(seqs), device=k.device)
-            own_k, own_v = self.cache.staging.own_blocks(layer, meta.staging_slots[index], self.dtype)
+            own_k, own_v = self.cache.staging.own_blocks(layer, meta.staging_slots[index],
+                                                         self.dtype)
             k.unflatten(1, (-1, bs))[batch, own] = own_k
             v.unflatten(1, (-1, bs))[batch, own] = own_v
         mask = _context_mask(meta.seq_lens_t[index], 1, k.shape[1])
@@ -259,9 +217,11 @@ class PagedAttention:
         """One prompt (chunk) attending its cached prefix and itself, causally."""
         rows = slice(meta.query_start_loc[i], meta.query_start_loc[i] + meta.query_lens[i])
         if self.cache.staging is None:
-            k, v = _read_context(self.cache, layer, meta.block_tables[i:i + 1], meta.seq_lens[i],
-                                 self.dtype)
+            k, v = self.cache.read_prefix(layer, meta.block_tables[i:i + 1], meta.seq_lens[i],
+                                          self.dtype)
             mask = _context_mask(meta.seq_lens_t[i:i + 1], meta.query_lens[i], k.shape[1])
         else:
-            k, v, mask = _staged_context(self.cache, layer, meta, i, self.fresh[i], self.dtype)
+            k, v, mask = staged_context(self.cache, layer, meta.block_tables[i:i + 1],
+                                        meta.seq_lens[i], meta.query_lens[i],
+                                        meta.staging_slots[i:i + 1], self.fresh[i], self.dtype)
         out[rows] = _gqa_sdpa(q[rows].unsqueeze(0), k, v, mask, self.scale).squeeze(0)

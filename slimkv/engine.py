@@ -149,7 +149,8 @@ class LLMEngine:
         return bool(self.requests)
 
     def memory_split(self) -> dict[str, int]:
-        """Bytes of the weights, the KV pool, its staging blocks, and the activation peak of the largest step
+        """Bytes of the weights, the KV pool, its staging blocks, and the activation peak of
+        the largest step
         (measured at start-up, see :mod:`slimkv.profiler`)."""
         return {"weights": weight_bytes(self.model), "kv_cache": self.cache.nbytes,
                 "kv_staging": self.cache.staging_nbytes, "activations": self.activation_bytes}

@@ -218,8 +218,9 @@ def test_harness_quick_suite_per_channel_block_bounds() -> None:
     from slimkv.eval.harness import SUITES, run_eval
     from slimkv.eval.report import metrics, regressions
 
-    suite = dataclasses.replace(SUITES["quick"], passkey_contexts=(), depths=(),
-                                document_contexts=(), conversation_contexts=())
+    # The quick suite's perplexity windows only (no passkey depths, no recall probes).
+    suite = dataclasses.replace(SUITES["quick"], depths=(), document_contexts=(),
+                                conversation_contexts=())
     ev = run_eval(Config.load().replace("model", device="cpu"),
                   ["int8:per_channel_block", "int4:per_token", "int4:per_channel_block"], suite,
                   progress=False)

@@ -73,8 +73,8 @@ class ChannelBlockInt4Codec(KVCodec):
 
     def dequantize(self, q: QuantizedKV, dtype: torch.dtype) -> Tensor:
         values = self.element.unpack(q.data).float()
-        x = values * q.aux["scale"].float().unsqueeze(_TOKENS) + q.aux["zero"].float().unsqueeze(_TOKENS)
-        return x.to(dtype)
+        scale, zero = (q.aux[name].float().unsqueeze(_TOKENS) for name in ("scale", "zero"))
+        return (values * scale + zero).to(dtype)
 
 
 def per_channel_block(element: KVCodec) -> KVCodec:
@@ -84,5 +84,6 @@ def per_channel_block(element: KVCodec) -> KVCodec:
         return ChannelBlockCodec(element)
     if isinstance(element, Int4Codec):
         return ChannelBlockInt4Codec(element)
-    raise ValueError(f"per_channel_block key scales need a quantized KV dtype, got {element.name!r}")
+    raise ValueError(f"per_channel_block key scales need a quantized KV dtype, "
+                     f"got {element.name!r}")
 

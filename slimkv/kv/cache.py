@@ -49,7 +49,8 @@ class PagedKVCache:
         self.device = torch.device(device)
         self.scales = {"k": k_scale, "v": v_scale}
         self.codecs: dict[str, KVCodec] = {
-            "k": side_codec(k_dtype, head_dim, k_scale), "v": side_codec(v_dtype, head_dim, v_scale)}
+            "k": side_codec(k_dtype, head_dim, k_scale),
+            "v": side_codec(v_dtype, head_dim, v_scale)}
         self._pools = {side: self._allocate(codec) for side, codec in self.codecs.items()}
         self.staging = (Staging(self, num_staging, staging_dtype)
                         if self.is_staged(k_dtype, v_dtype, head_dim, k_scale, v_scale) else None)
@@ -153,6 +154,13 @@ class PagedKVCache:
         """Dequantized K and V of the given blocks: ``[..., n] -> [..., n * block_size, H, D]``."""
         k, v = (self._read_side(side, layer, block_ids, dtype) for side in _SIDES)
         return k, v
+
+    def read_prefix(self, layer: int, block_tables: Tensor, num_tokens: int,
+                    dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """:meth:`read` of just the first blocks of ``block_tables [B, m]`` that cover
+        ``num_tokens`` tokens: ``[B, num_blocks * block_size, H, D]``."""
+        num_blocks = -(-num_tokens // self.block_size)
+        return self.read(layer, block_tables[:, :num_blocks], dtype)
 
     def _read_side(self, side: str, layer: int, block_ids: Tensor, dtype: torch.dtype) -> Tensor:
         pool = self._pools[side]
