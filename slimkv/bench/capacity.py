@@ -76,13 +76,12 @@ def budget_bytes(config: Config, spec: CapacitySpec, shape: dict[str, int]) -> i
     return blocks * kv.block_size * per_token
 
 
-def variant_config(config: Config, variant: Variant, budget: int, spec: CapacitySpec,
-                   shape: dict[str, int]) -> Config:
-    blocks = PagedKVCache.num_blocks_for_budget(budget, config.kv_cache.block_size, **shape,
-                                                k_dtype=variant.dtype, v_dtype=variant.dtype)
+def variant_config(config: Config, variant: Variant, budget: int, spec: CapacitySpec) -> Config:
+    """The variant served from ``budget`` bytes, sized by the engine itself (blocks with their
+    scales, and the staging blocks of schemes that need them, all inside the budget)."""
     return (config.replace("model", max_model_len=spec.context)
             .replace("kv_cache", dtype=variant.dtype, k_dtype=None, v_dtype=None,
-                     paged=variant.paged, num_blocks=blocks, memory_gb=None))
+                     paged=variant.paged, num_blocks=None, memory_gb=budget / GiB))
 
 
 async def measure_level(server: ServerProcess, run: RunSpec, concurrency: int,
@@ -111,10 +110,10 @@ async def _drain(url: str) -> None:
 
 
 def run_variant(config: Config, variant: Variant, spec: CapacitySpec, budget: int,
-                shape: dict[str, int], progress: bool = True) -> dict[str, Any]:
+                progress: bool = True) -> dict[str, Any]:
     workload = WorkloadSpec("long-sessions", spec.context, spec.doc_tokens, spec.max_tokens,
                             seed=spec.seed)
-    with ServerProcess(variant_config(config, variant, budget, spec, shape)) as server:
+    with ServerProcess(variant_config(config, variant, budget, spec)) as server:
         run = RunSpec(server.url, server.model_name(), workload, spec.duration,
                       request_timeout=spec.duration + 30, extra_body={"ignore_eos": True})
         levels = []
@@ -133,7 +132,7 @@ def bench_capacity(config: Config, spec: CapacitySpec, progress: bool = True) ->
     shape = kv_shape(config)
     budget = budget_bytes(config, spec, shape)
     start = time.monotonic()
-    results = [run_variant(config, v, spec, budget, shape, progress) for v in spec.variants]
+    results = [run_variant(config, v, spec, budget, progress) for v in spec.variants]
     return {"machine": machine_info(), "budget_bytes": budget,
             "spec": {**asdict(spec), "variants": [v.name for v in spec.variants]},
             "config": {"block_size": config.kv_cache.block_size,

@@ -158,15 +158,29 @@ def block_states(engine: LLMEngine) -> list[dict[str, Any]]:
         for index, block in enumerate(seq.blocks):
             holders.setdefault(block.block_id, []).append((seq.request_id, index))
     block_size = engine.cache.block_size
-    return [block_entry(block, holders.get(block.block_id, []), block_size)
+    staged = staged_blocks(engine)
+    return [block_entry(block, holders.get(block.block_id, []), block_size,
+                        block.block_id in staged)
             for block in engine.pool.blocks]
 
 
-def block_entry(block: Block, holders: list[tuple[str, int]], block_size: int) -> dict[str, Any]:
+def staged_blocks(engine: LLMEngine) -> set[int]:
+    """Blocks whose tokens still live in their sequence's full-precision staging slot: the
+    partly filled last block of a running sequence, when the KV scheme quantizes per block."""
+    if engine.cache.staging is None:
+        return set()
+    size = engine.cache.block_size
+    return {seq.blocks[seq.num_computed_tokens // size].block_id
+            for seq in engine.scheduler.running
+            if seq.num_computed_tokens % size and len(seq.blocks) > seq.num_computed_tokens // size}
+
+
+def block_entry(block: Block, holders: list[tuple[str, int]], block_size: int,
+                staged: bool) -> dict[str, Any]:
     index = holders[0][1] if holders else None
     return {
         "id": block.block_id,
-        "state": block_state(block),
+        "state": "staging" if staged else block_state(block),
         "ref": block.ref_cnt,
         "requests": [request_id for request_id, _ in holders],
         "session": None if block.session_head is None else str(block.session_head),
