@@ -215,8 +215,8 @@ def render(result: dict[str, Any], rows: list[dict[str, Any]], command: str) -> 
         "## Scale and caveats",
         "",
         f"- Machine: {m['cpu']}, {m['torch_threads']} torch threads, torch {m['torch']}, no GPU; "
-        f"finished {m['date']}, took {result['elapsed_s'] / 60:.1f} min. Other jobs shared the CPU, so "
-        "latencies are noisy; the sessions and memory columns come from the server's own "
+        f"finished {m['date']}, took {result['elapsed_s'] / 60:.1f} min. Latencies depend on what else the "
+        "CPU runs; the sessions and memory columns come from the server's own "
         "block accounting and do not depend on speed.",
         "- The model is the embedded SmolLM2-135M-Instruct on CPU, so compute, not memory "
         "bandwidth, sets the latencies: TTFT grows with concurrency on every variant, and the "
