@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from slimkv.kernels import (KVSide, decode_kernel, describe, kernel_format,
+                            kernel_unavailable_reason)
 from slimkv.kv.cache import PagedKVCache
 from slimkv.own_block import Fresh, staged_context
 
@@ -105,15 +107,47 @@ def reference_paged_attention(cache: PagedKVCache, layer: int, q: Tensor, meta: 
     return out
 
 
+@dataclass(slots=True)
+class DecodePlan:
+    """A step's single-token queries, gathered once per step for all layers."""
+
+    seqs: list[int]                 # their sequence indices in the batch
+    rows: Tensor                    # [n] their query rows
+    block_tables: Tensor            # [n, m]
+    seq_lens: Tensor                # [n]
+    max_len: int
+    staging_slots: Tensor | None    # [n]
+    own_blocks: Tensor              # [n] index in the table of the block holding the new token
+    write_blocks: Tensor            # [n] that block's id
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, block_size: int) -> DecodePlan | None:
+        seqs = [i for i, n in enumerate(meta.query_lens) if n == 1]
+        if not seqs:
+            return None
+        device = meta.block_tables.device
+        index = torch.tensor(seqs, device=device)
+        tables = meta.block_tables[index].contiguous()
+        seq_lens = meta.seq_lens_t[index].contiguous()
+        own = (seq_lens - 1) // block_size
+        slots = None if meta.staging_slots is None else meta.staging_slots[index].contiguous()
+        return cls(seqs, torch.tensor([meta.query_start_loc[i] for i in seqs], device=device),
+                   tables, seq_lens, max(meta.seq_lens[i] for i in seqs), slots, own,
+                   tables.gather(1, own[:, None]).squeeze(1))
+
+
 class PagedAttention:
     """Cache write + attention for one model's layers, sharing one :class:`PagedKVCache`.
 
-    The fast path runs all decodes (query_len 1) of a step as one batched SDPA over their
-    gathered block tables, and each prefill (chunk) as one SDPA with an offset causal mask.
-    ``fast=False`` (default: the ``SLIMKV_ATTENTION_FAST`` environment variable, on unless
-    ``0``) or a KV format the device cannot decode (``fallback_reason``) runs
-    :func:`reference_paged_attention` instead: the fallback. ``path_counts`` counts, per layer
-    call, each path taken; ``layer_path_counts`` the same per layer.
+    Decodes (query_len 1) of a step run together: on the CPU through the fused kernel of
+    :mod:`slimkv.kernels` (``fused_decode``: gather, dequantize and attend without a float
+    copy of the cache), elsewhere, or when the kernel cannot be built
+    (``kernel_unavailable``), as one batched SDPA over their gathered, dequantized blocks
+    (``fast_decode``). Each prefill (chunk) is one SDPA with an offset causal mask
+    (``fast_prefill``). ``fast=False`` (default: the ``SLIMKV_ATTENTION_FAST`` environment
+    variable, on unless ``0``) or a KV format the device cannot decode (``fallback_reason``)
+    runs :func:`reference_paged_attention` instead: the fallback. ``path_counts`` counts,
+    per layer call, each path taken; ``layer_path_counts`` the same per layer.
     """
 
     def __init__(self, cache: PagedKVCache, num_heads: int, scale: float, dtype: torch.dtype,
@@ -130,6 +164,9 @@ class PagedAttention:
         self.path_counts: Counter[str] = Counter()
         self.layer_path_counts: defaultdict[int, Counter[str]] = defaultdict(Counter)
         self.fallback_reason = self._fallback_reason()
+        self.kernel_unavailable = self._kernel_unavailable()
+        self._sides: dict[int, tuple[KVSide, KVSide]] = {}  # per layer, made on first use
+        self._plan: tuple[AttentionMetadata, DecodePlan | None] | None = None
 
     def _fallback_reason(self) -> str | None:
         """Why the fast quantized path cannot run (None when it can): disabled, or a KV
@@ -145,31 +182,50 @@ class PagedAttention:
                 return f"{codec.name} KV cannot be decoded on {self.cache.device}: {exc}"
         return None
 
+    def _kernel_unavailable(self) -> str | None:
+        """Why decodes cannot use the fused kernel of :mod:`slimkv.kernels` (None if they can)."""
+        if self.cache.device.type != "cpu":
+            return f"the fused decode kernel is CPU-only (device {self.cache.device})"
+        if any(kernel_format(codec) is None for codec in self.cache.codecs.values()):
+            return "the fused decode kernel lacks this KV format"
+        return kernel_unavailable_reason()
+
     def _count(self, layer: int, path: str) -> None:
         self.path_counts[path] += 1
         self.layer_path_counts[layer][path] += 1
 
+    def _decode_plan(self, meta: AttentionMetadata) -> DecodePlan | None:
+        """The step's :class:`DecodePlan`, built by its first layer call."""
+        if self._plan is None or self._plan[0] is not meta:
+            self._plan = (meta, DecodePlan.build(meta, self.cache.block_size))
+        return self._plan[1]
+
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
         """``q [T, num_heads, D]``, ``k, v [T, H_kv, D]`` -> ``[T, num_heads, D]`` in ``dtype``."""
-        self._write(layer, k, v, meta)
+        plan = self._decode_plan(meta)
+        self._write(layer, k, v, meta, plan)
         if self.fallback_reason is not None:
             self._count(layer, "reference")
             return reference_paged_attention(self.cache, layer, q, meta, self.scale, self.dtype,
                                              self.fresh)
         q = q.to(self.dtype)
         out = torch.empty_like(q)
-        decodes = [i for i, n in enumerate(meta.query_lens) if n == 1]
+        if plan is not None:
+            if self.kernel_unavailable is None:
+                self._count(layer, "fused_decode")
+                self._fused_decode(layer, q, plan, out)
+            else:
+                self._count(layer, "fast_decode")
+                self._decode(layer, q, plan, out)
         prefills = [i for i, n in enumerate(meta.query_lens) if n > 1]
-        if decodes:
-            self._count(layer, "fast_decode")
-            self._decode(layer, q, meta, decodes, out)
         if prefills:
             self._count(layer, "fast_prefill")
         for i in prefills:
             self._prefill(layer, q, meta, i, out)
         return out
 
-    def _write(self, layer: int, k: Tensor, v: Tensor, meta: AttentionMetadata) -> None:
+    def _write(self, layer: int, k: Tensor, v: Tensor, meta: AttentionMetadata,
+               plan: DecodePlan | None) -> None:
         """Store the step's K/V: token by token, or through the staging slots (decodes at
         once, each prefill keeping its full-precision K/V in :attr:`fresh`)."""
         staging = self.cache.staging
@@ -178,14 +234,9 @@ class PagedAttention:
             return
         self.fresh = {}
         bs = self.cache.block_size
-        decodes = [i for i, n in enumerate(meta.query_lens) if n == 1]
-        if decodes:
-            index = torch.tensor(decodes, device=meta.block_tables.device)
-            rows = torch.tensor([meta.query_start_loc[i] for i in decodes], device=k.device)
-            positions = meta.seq_lens_t[index] - 1
-            blocks = meta.block_tables[index, positions // bs]
-            staging.append_decodes(layer, meta.staging_slots[index], positions, blocks,
-                                   k[rows], v[rows])
+        if plan is not None:
+            staging.append_decodes(layer, plan.staging_slots, plan.seq_lens - 1,
+                                   plan.write_blocks, k[plan.rows], v[plan.rows])
         for i, q_len in enumerate(meta.query_lens):
             if q_len > 1:
                 start = meta.seq_lens[i] - q_len
@@ -194,24 +245,31 @@ class PagedAttention:
                                        meta.block_tables[i, start // bs:], k[rows], v[rows])
                 self.fresh[i] = Fresh(start // bs * bs, *fresh)
 
-    def _decode(self, layer: int, q: Tensor, meta: AttentionMetadata, seqs: list[int],
-                out: Tensor) -> None:
+    def _fused_decode(self, layer: int, q: Tensor, plan: DecodePlan, out: Tensor) -> None:
+        staging = self.cache.staging
+        own = None if staging is None else (staging.buffer[0, layer], staging.buffer[1, layer],
+                                            plan.staging_slots)
+        if layer not in self._sides:
+            self._sides[layer] = tuple(describe(self.cache.codecs[side],
+                                                self.cache.layer_pool(side, layer))
+                                       for side in ("k", "v"))
+        result = decode_kernel()(q[plan.rows].float(), plan.block_tables, plan.seq_lens,
+                                 *self._sides[layer], self.cache.num_kv_heads,
+                                 self.cache.block_size, self.scale, own)
+        out[plan.rows] = result.to(self.dtype)
+
+    def _decode(self, layer: int, q: Tensor, plan: DecodePlan, out: Tensor) -> None:
         """All single-token queries at once; the key-padding mask comes from seq_lens. A
         staged cache's own blocks replace theirs from the staging slots."""
-        rows = torch.tensor([meta.query_start_loc[i] for i in seqs], device=q.device)
-        index = torch.tensor(seqs, device=meta.block_tables.device)
-        max_len = max(meta.seq_lens[i] for i in seqs)
-        k, v = self.cache.read_prefix(layer, meta.block_tables[index], max_len, self.dtype)
+        k, v = self.cache.read_prefix(layer, plan.block_tables, plan.max_len, self.dtype)
         if self.cache.staging is not None:
             bs = self.cache.block_size
-            own = (meta.seq_lens_t[index] - 1) // bs
-            batch = torch.arange(len(seqs), device=k.device)
-            own_k, own_v = self.cache.staging.own_blocks(layer, meta.staging_slots[index],
-                                                         self.dtype)
-            k.unflatten(1, (-1, bs))[batch, own] = own_k
-            v.unflatten(1, (-1, bs))[batch, own] = own_v
-        mask = _context_mask(meta.seq_lens_t[index], 1, k.shape[1])
-        out[rows] = _gqa_sdpa(q[rows].unsqueeze(1), k, v, mask, self.scale).squeeze(1)
+            batch = torch.arange(len(plan.seqs), device=k.device)
+            own_k, own_v = self.cache.staging.own_blocks(layer, plan.staging_slots, self.dtype)
+            k.unflatten(1, (-1, bs))[batch, plan.own_blocks] = own_k
+            v.unflatten(1, (-1, bs))[batch, plan.own_blocks] = own_v
+        mask = _context_mask(plan.seq_lens, 1, k.shape[1])
+        out[plan.rows] = _gqa_sdpa(q[plan.rows].unsqueeze(1), k, v, mask, self.scale).squeeze(1)
 
     def _prefill(self, layer: int, q: Tensor, meta: AttentionMetadata, i: int, out: Tensor) -> None:
         """One prompt (chunk) attending its cached prefix and itself, causally."""

@@ -3,8 +3,8 @@
 For each KV dtype, an engine (``strict: false``, so a fallback is reported rather than
 refused) serves a few prompts through prefill and batched decode. Every attention call is
 checked against :func:`reference_paged_attention` over the same pool state, and per layer
-we record the paths taken (``fast_prefill``/``fast_decode`` = the quantized fast path,
-``reference`` = the fallback). A dtype fails on any fallback, any pool tensor whose storage
+we record the paths taken (``fast_prefill``, and ``fused_decode`` or ``fast_decode`` = the
+quantized fast path; ``reference`` = the fallback). A dtype fails on any fallback, any pool tensor whose storage
 dtype is not the configured format's (a silent float fallback), or any mismatch.
 """
 
@@ -21,7 +21,8 @@ from slimkv.engine import LLMEngine
 from slimkv.kv.quant import make_codec
 
 ALL_KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2", "int4")
-FAST_PATHS = ("fast_prefill", "fast_decode")
+PREFILL_PATHS = ("fast_prefill",)
+DECODE_PATHS = ("fused_decode", "fast_decode")  # the native kernel, or gather + SDPA
 # Fast and reference paths read the same quantized values; only float rounding differs.
 _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
@@ -65,12 +66,14 @@ def verify_dtype(config: Config, kv_dtype: str, prompt_len: int = 40, new_tokens
                "match": checked.errors[layer] <= tolerance}
               for layer, counts in sorted(checked.attention.layer_path_counts.items())]
     pool = _pool_report(engine)
-    ran_fast = all(any(layer["paths"].get(p) for layer in layers) for p in FAST_PATHS)
+    ran_fast = all(any(layer["paths"].get(p) for layer in layers for p in paths)
+                   for paths in (PREFILL_PATHS, DECODE_PATHS))
     ok = (ran_fast and checked.attention.fallback_reason is None
           and all(t["format_ok"] for t in pool)
           and all(layer["match"] and not layer["fallback"] for layer in layers))
     return {"kv_dtype": kv_dtype, "ok": ok, "device": str(engine.device),
             "fallback_reason": checked.attention.fallback_reason, "tolerance": tolerance,
+            "decode_kernel_unavailable": checked.attention.kernel_unavailable,
             "pool": pool, "layers": layers}
 
 
@@ -98,6 +101,8 @@ def format_report(results: list[dict[str, Any]]) -> str:
         lines.append(f"{r['kv_dtype']}: {'PASS' if r['ok'] else 'FAIL'} on {r['device']} ({pool})")
         if r["fallback_reason"]:
             lines.append(f"  fallback: {r['fallback_reason']}")
+        if r["decode_kernel_unavailable"]:
+            lines.append(f"  decode on gather + SDPA: {r['decode_kernel_unavailable']}")
         for layer in r["layers"]:
             paths = " ".join(f"{p}={n}" for p, n in sorted(layer["paths"].items()))
             flag = "" if layer["match"] and not layer["fallback"] else "  <-- FAIL"

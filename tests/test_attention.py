@@ -113,9 +113,9 @@ def test_fast_and_reference_equal_dense_attention() -> None:
 
 def test_path_counts() -> None:
     _, fast = _run(MIXED_BATCH, fast=True)
-    assert fast.path_counts == {"fast_decode": 1, "fast_prefill": 1}
+    assert fast.path_counts == {"fused_decode": 1, "fast_prefill": 1}
     _, decode_only = _run([(9, 1), (3, 1)], fast=True)
-    assert decode_only.path_counts == {"fast_decode": 1}
+    assert decode_only.path_counts == {"fused_decode": 1}
     _, reference = _run(MIXED_BATCH, fast=False)
     assert reference.path_counts == {"reference": 1}
 

@@ -1,0 +1,145 @@
+"""Native CPU kernels, compiled on first use with the system C compiler and called via ctypes.
+
+``paged_decode.c`` attends single-token queries over quantized KV blocks without
+materialising a float copy of the cache (see its header). The shared library is built once
+per source/compiler/CPU into ``$SLIMKV_KERNEL_DIR`` (default ``~/.cache/slimkv/kernels``)
+with ``-march=native`` and OpenMP; the OpenMP runtime is the one torch already loaded, so
+the kernel shares torch's threads. Where no compiler is found, :func:`decode_kernel`
+returns None and says why (:func:`kernel_unavailable_reason`): the engine then decodes on
+the gather-then-SDPA path and reports it, never silently.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from slimkv.kv.block_scales import ChannelBlockCodec, ChannelBlockInt4Codec
+from slimkv.kv.quant import Fp8Codec, FloatCodec, Int4Codec, Int8Codec, KVCodec, QuantizedKV
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+KERNEL_DIR_ENV = "SLIMKV_KERNEL_DIR"
+# Reassociation lets dot products and sums vectorise as trees; no finite-math assumptions.
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-strict-aliasing",
+         "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-shared", "-fPIC",
+         "-std=gnu11")
+
+_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3,
+         torch.float8_e4m3fn: 4, torch.float8_e5m2: 5}
+_U4 = 6
+_SCALE_NONE, _SCALE_TOKEN, _SCALE_BLOCK = 0, 1, 2
+
+
+class KVSide(ctypes.Structure):
+    """Mirror of ``kv_side`` in paged_decode.c: one side (K or V) of one layer."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("zero", ctypes.c_void_p),
+                ("kind", ctypes.c_int32), ("scale_mode", ctypes.c_int32),
+                ("groups", ctypes.c_int32), ("width", ctypes.c_int32)]
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def kernel_format(codec: KVCodec) -> tuple[int, int, int] | None:
+    """(kind, scale mode, scale groups) of a codec, or None for a format the kernel lacks."""
+    element = getattr(codec, "element", codec)
+    block = isinstance(codec, (ChannelBlockCodec, ChannelBlockInt4Codec))
+    mode = _SCALE_BLOCK if block else _SCALE_TOKEN
+    if isinstance(codec, FloatCodec):
+        return _KIND[codec.storage_dtype], _SCALE_NONE, 1
+    if isinstance(element, Int8Codec):
+        return _KIND[torch.int8], mode, 1
+    if isinstance(element, Fp8Codec):
+        return _KIND[element.fp8_dtype], mode, 1
+    if isinstance(element, Int4Codec):
+        return _U4, mode, element.num_groups
+    return None
+
+
+def describe(codec: KVCodec, layer_pool: QuantizedKV) -> KVSide:
+    """The kernel's view of one layer of a pool side (a format :func:`kernel_format` knows).
+
+    ``layer_pool`` holds that layer's tensors; the view keeps them alive."""
+    kind, mode, groups = kernel_format(codec)
+    side = KVSide(_ptr(layer_pool.data), _ptr(layer_pool.aux.get("scale")),
+                  _ptr(layer_pool.aux.get("zero")), kind, mode, groups, codec.data_width)
+    side.keep = layer_pool
+    return side
+
+
+class DecodeKernel:
+    """``paged_decode`` with argument types; see :meth:`__call__`."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.paged_decode
+        i32, ptr, side = ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(KVSide)
+        self._fn.argtypes = [ptr, ptr, i32, i32, i32, i32, i32, ptr, i32, ptr, side, side,
+                             ptr, ptr, i32, ptr, ctypes.c_float]
+        self._fn.restype = None
+
+    def __call__(self, q: Tensor, block_tables: Tensor, seq_lens: Tensor, k: KVSide, v: KVSide,
+                 num_kv_heads: int, block_size: int, scale: float,
+                 own: tuple[Tensor, Tensor, Tensor] | None) -> Tensor:
+        """``q [B, Hq, D]`` float32 over the blocks of ``block_tables [B, m]`` (int64) up to
+        ``seq_lens [B]``; ``own``: (staged K, staged V ``[slots, block_size, H, D]``, slot per
+        sequence ``[B]``) for a staged cache, whose last block is read from there."""
+        batch, num_heads, head_dim = q.shape
+        out = torch.empty_like(q)
+        own_k, own_v, slots = own if own is not None else (None, None, None)
+        own_kind = _KIND[own_k.dtype] if own_k is not None else 0
+        self._fn(q.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size,
+                 block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(),
+                 ctypes.byref(k), ctypes.byref(v), _ptr(own_k), _ptr(own_v), own_kind,
+                 _ptr(slots), scale)
+        return out
+
+
+def _library_path(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = next((line for line in cpu.splitlines() if line.startswith("flags")), "")
+    key = hashlib.sha256("\0".join((SOURCE.read_text(), " ".join(FLAGS), version, flags))
+                         .encode()).hexdigest()[:16]
+    root = Path(os.environ.get(KERNEL_DIR_ENV) or Path.home() / ".cache/slimkv/kernels")
+    return root / f"paged_decode-{key}.so"
+
+
+@cache
+def _build() -> DecodeKernel | str:
+    """The loaded kernel, or why there is none."""
+    compiler = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
+    if compiler is None:
+        return "no C compiler ($CC, cc or gcc) found to build slimkv/kernels/paged_decode.c"
+    lib = _library_path(compiler)
+    if not lib.exists():
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+            built = Path(tmp) / lib.name
+            result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+                                    capture_output=True, text=True)
+            if result.returncode:
+                return f"building paged_decode.c failed: {result.stderr.strip()[-500:]}"
+            built.replace(lib)  # atomic: concurrent builders never load a partial file
+    return DecodeKernel(ctypes.CDLL(str(lib)))
+
+
+def decode_kernel() -> DecodeKernel | None:
+    kernel = _build()
+    return kernel if isinstance(kernel, DecodeKernel) else None
+
+
+def kernel_unavailable_reason() -> str | None:
+    kernel = _build()
+    return kernel if isinstance(kernel, str) else None

@@ -1,0 +1,270 @@
+/* Fused paged decode attention on the CPU: gather, dequantize and attend in one pass.
+ *
+ * One query token per sequence attends over its KV blocks read straight from the quantized
+ * pool: each 16-token block is decoded one token-head row at a time into a 64-float buffer
+ * that stays in L1, so no float copy of a sequence's cache is ever materialised and the
+ * memory traffic is the stored bytes (1 byte per value for int8/fp8, half for int4).
+ * Softmax and accumulation are float32. Built by slimkv/kernels/__init__.py with the
+ * system C compiler and called through ctypes (which releases the GIL).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_F16 = 2, KIND_I8 = 3, KIND_E4M3 = 4, KIND_E5M2 = 5,
+       KIND_U4 = 6 };
+enum { SCALE_NONE = 0, SCALE_TOKEN = 1, SCALE_BLOCK = 2 };
+
+/* One side (K or V) of one layer of the pool. */
+typedef struct {
+    const void *data;      /* [num_blocks, block_size, H, width] */
+    const _Float16 *scale; /* per token [nb, bs, H, groups] or per block [nb, H, D]; or NULL */
+    const _Float16 *zero;  /* same layout as scale; NULL when symmetric */
+    int32_t kind;
+    int32_t scale_mode;
+    int32_t groups;        /* per-token scale groups along D (1 for 8-bit, D/32 for int4) */
+    int32_t width;         /* stored elements per token-head */
+} kv_side;
+
+typedef union {
+    uint32_t u;
+    float f;
+} bits32;
+
+/* An fp8 byte (M mantissa bits, exponent bias BIAS) as float32, in integer steps that
+ * vectorise: the significand (implicit bit included for normal numbers) shifted by the
+ * exponent is an exact integer, scaled by 2^(1 - BIAS - M); subnormals fall out of the same
+ * formula. Inf/NaN codes never occur (values are clamped to the finite range when stored). */
+static inline __attribute__((always_inline)) float fp8_to_f32(uint8_t x, const int M, const int BIAS) {
+    uint32_t e = (x & 0x7f) >> M, nz = e != 0;
+    uint32_t magnitude = ((x & ((1u << M) - 1)) | (nz << M)) << (e - nz);
+    float sign = 1.0f - 2.0f * (float)(x >> 7);
+    return sign * (float)magnitude * (1.0f / (float)(1u << (BIAS + M - 1)));
+}
+
+/* Stored values of one token-head row as floats, scales not applied. int4 rows come out
+ * de-interleaved, low nibbles then high nibbles (element order 0, 2, 4, ..., 1, 3, ...):
+ * see `permuted`. */
+static inline __attribute__((always_inline)) void load_raw(const void *row, int kind, const int D, float *out) {
+    switch (kind) {
+    case KIND_F32: {
+        const float *r = row;
+        for (int d = 0; d < D; d++) out[d] = r[d];
+        break;
+    }
+    case KIND_BF16: { /* bf16 is the top half of a float32 */
+        const uint16_t *r = row;
+        bits32 *o = (bits32 *)out;
+        for (int d = 0; d < D; d++) o[d].u = (uint32_t)r[d] << 16;
+        break;
+    }
+    case KIND_F16: {
+        const _Float16 *r = row;
+        for (int d = 0; d < D; d++) out[d] = (float)r[d];
+        break;
+    }
+    case KIND_I8: {
+        const int8_t *r = row;
+        for (int d = 0; d < D; d++) out[d] = (float)r[d];
+        break;
+    }
+    case KIND_E4M3: {
+        const uint8_t *r = row;
+        for (int d = 0; d < D; d++) out[d] = fp8_to_f32(r[d], 3, 7);
+        break;
+    }
+    case KIND_E5M2: {
+        const uint8_t *r = row;
+        for (int d = 0; d < D; d++) out[d] = fp8_to_f32(r[d], 2, 15);
+        break;
+    }
+    case KIND_U4: {
+        const uint8_t *r = row;
+        for (int i = 0; i < D / 2; i++) {
+            out[i] = (float)(r[i] & 15);
+            out[D / 2 + i] = (float)(r[i] >> 4);
+        }
+        break;
+    }
+    }
+}
+
+/* Channel d's place in a row as load_raw delivers it (int4 rows are de-interleaved). */
+static inline __attribute__((always_inline)) int permuted(int d, int is_u4, const int D) {
+    return is_u4 ? (d & 1) * (D / 2) + d / 2 : d;
+}
+
+static inline __attribute__((always_inline)) size_t elem_size(int kind) {
+    return kind == KIND_F32 ? 4 : (kind == KIND_BF16 || kind == KIND_F16) ? 2 : 1;
+}
+
+/* Row (block, token t, head h) of a side into out[D], in load_raw's order, returning the
+ * scale the caller still has to apply. Per-token 8-bit scales are left to the caller (one
+ * multiply of a dot product or a softmax weight instead of D); per-block channel scales
+ * are left to it when `block_folded` (keys: folded into q once per block), else applied
+ * from bsc/bz; int4 group scales are applied here. */
+static inline __attribute__((always_inline)) float
+load_row(const kv_side *s, int64_t blk, int t, int h, int H, int bs, const int D,
+         int block_folded, const float *bsc, const float *bz, float *out) {
+    size_t token = ((size_t)blk * bs + t) * H + h;
+    load_raw((const char *)s->data + token * s->width * elem_size(s->kind), s->kind, D, out);
+    if (s->scale_mode == SCALE_BLOCK && !block_folded) {
+        for (int d = 0; d < D; d++) out[d] = out[d] * bsc[d] + bz[d];
+    } else if (s->scale_mode == SCALE_TOKEN && !s->zero) { /* 8-bit: one scale per row */
+        return (float)s->scale[token];
+    } else if (s->scale_mode == SCALE_TOKEN) { /* int4 groups: the same span of each half */
+        int half = D / 2, gs = half / s->groups;
+        for (int g = 0; g < s->groups; g++) {
+            float sc = (float)s->scale[token * s->groups + g];
+            float z = (float)s->zero[token * s->groups + g];
+            for (int d = g * gs; d < (g + 1) * gs; d++) {
+                out[d] = out[d] * sc + z;
+                out[half + d] = out[half + d] * sc + z;
+            }
+        }
+    }
+    return 1.0f;
+}
+
+/* The block's per-channel scale/zero of head h as floats in load_raw's order. */
+static inline __attribute__((always_inline)) void load_block_scale(const kv_side *s, int64_t blk, int h, int H, const int D,
+                                    float *bsc, float *bz) {
+    if (s->scale_mode != SCALE_BLOCK) return;
+    size_t base = ((size_t)blk * H + h) * D;
+    int is_u4 = s->kind == KIND_U4;
+    for (int d = 0; d < D; d++) {
+        bsc[permuted(d, is_u4, D)] = (float)s->scale[base + d];
+        bz[permuted(d, is_u4, D)] = s->zero ? (float)s->zero[base + d] : 0.0f;
+    }
+}
+
+/* Row t of a staged (full-precision) own block, staging [slots, bs, H, D] in f32 or bf16,
+ * in the order `s` delivers its rows. */
+static inline __attribute__((always_inline)) void load_staged(const kv_side *s, const void *own, int own_kind, int64_t slot,
+                               int t, int h, int H, int bs, const int D, float *out) {
+    size_t row = (((size_t)slot * bs + t) * H + h) * D;
+    if (s->kind != KIND_U4) {
+        load_raw((const char *)own + row * elem_size(own_kind), own_kind, D, out);
+        return;
+    }
+    float natural[D];
+    load_raw((const char *)own + row * elem_size(own_kind), own_kind, D, natural);
+    for (int d = 0; d < D; d++) out[permuted(d, 1, D)] = natural[d];
+}
+
+/* exp(x) for x <= 0 (Cephes' expf polynomial, ~1 ulp), written to vectorise. */
+static inline __attribute__((always_inline)) float exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = __builtin_roundevenf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    bits32 scale = {.u = (uint32_t)((int32_t)n + 127) << 23};
+    return (p * r * r + r + 1.0f) * scale.f;
+}
+
+static inline __attribute__((always_inline)) float dot(const float *a, const float *b,
+                                                        const int D) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int d = 0; d < D; d++) sum += a[d] * b[d];
+    return sum;
+}
+
+/* Sequence b, KV head h: the G query heads of the group over the sequence's L positions.
+ * Always inlined with a literal D so that the row loops are fully unrolled and vectorised. */
+static inline __attribute__((always_inline)) void
+attend(const float *qh, float *o, int64_t L, const int64_t *table, int own, int64_t slot,
+       int h, int G, int H, const int D, int bs, const kv_side *k, const kv_side *v,
+       const void *own_k, const void *own_v, int own_kind, float sm_scale, float *scores) {
+    float row[D], bsc[D], bz[D], qp[G * D], qs[G * D], bias[G], acc[G * D], sum[G];
+    int nblocks = (int)((L + bs - 1) / bs);
+    int k_u4 = k->kind == KIND_U4, v_u4 = v->kind == KIND_U4;
+    int fold = k->scale_mode == SCALE_BLOCK;
+    for (int g = 0; g < G; g++) /* q in the order K rows arrive in */
+        for (int d = 0; d < D; d++) qp[g * D + permuted(d, k_u4, D)] = qh[g * D + d] * sm_scale;
+    for (int j = 0; j < nblocks; j++) {
+        int n = (int)(L - (int64_t)j * bs < bs ? L - (int64_t)j * bs : bs);
+        const float *qk = qp;
+        for (int g = 0; g < G; g++) bias[g] = 0.0f;
+        if (j != own && fold) { /* q.(raw * s + z) = (q * s).raw + q.z */
+            load_block_scale(k, table[j], h, H, D, bsc, bz);
+            for (int g = 0; g < G; g++) {
+                for (int d = 0; d < D; d++) qs[g * D + d] = qp[g * D + d] * bsc[d];
+                bias[g] = dot(qp + g * D, bz, D);
+            }
+            qk = qs;
+        }
+        for (int t = 0; t < n; t++) {
+            float sc = 1.0f;
+            if (j == own) load_staged(k, own_k, own_kind, slot, t, h, H, bs, D, row);
+            else sc = load_row(k, table[j], t, h, H, bs, D, fold, bsc, bz, row);
+            for (int g = 0; g < G; g++)
+                scores[g * L + j * bs + t] = dot(qk + g * D, row, D) * sc + bias[g];
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        float m = -INFINITY, s = 0.0f;
+        float *sc = scores + g * L;
+#pragma omp simd reduction(max : m)
+        for (int64_t i = 0; i < L; i++) m = sc[i] > m ? sc[i] : m;
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = 0; i < L; i++) {
+            sc[i] = exp_nonpos(sc[i] - m);
+            s += sc[i];
+        }
+        sum[g] = s;
+    }
+    memset(acc, 0, sizeof(float) * G * D);
+    for (int j = 0; j < nblocks; j++) {
+        int n = (int)(L - (int64_t)j * bs < bs ? L - (int64_t)j * bs : bs);
+        if (j != own) load_block_scale(v, table[j], h, H, D, bsc, bz);
+        for (int t = 0; t < n; t++) {
+            float sc = 1.0f;
+            if (j == own) load_staged(v, own_v, own_kind, slot, t, h, H, bs, D, row);
+            else sc = load_row(v, table[j], t, h, H, bs, D, 0, bsc, bz, row);
+            for (int g = 0; g < G; g++) {
+                float p = scores[g * L + j * bs + t] * sc;
+#pragma omp simd
+                for (int d = 0; d < D; d++) acc[g * D + d] += p * row[d];
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) /* acc is in the order V rows arrive in */
+        for (int d = 0; d < D; d++) o[g * D + d] = acc[g * D + permuted(d, v_u4, D)] / sum[g];
+}
+
+/* q, out: [B, Hq, D] float32. block_tables [B, max_blocks], seq_lens [B], own_slots [B]
+ * (staging slot per sequence; NULL when the cache is not staged). */
+void paged_decode(const float *q, float *out, int B, int Hq, int H, int D, int bs,
+                  const int64_t *block_tables, int max_blocks, const int64_t *seq_lens,
+                  const kv_side *k, const kv_side *v, const void *own_k, const void *own_v,
+                  int own_kind, const int64_t *own_slots, float sm_scale) {
+    int G = Hq / H;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+    for (int b = 0; b < B; b++) {
+        for (int h = 0; h < H; h++) {
+            int64_t L = seq_lens[b];
+            int own = own_slots ? (int)((L - 1) / bs) : -1;
+            int64_t slot = own_slots ? own_slots[b] : 0;
+            const int64_t *table = block_tables + (size_t)b * max_blocks;
+            size_t head = ((size_t)b * Hq + (size_t)h * G) * D;
+            float *scores = malloc(sizeof(float) * G * L);
+            if (D == 64) /* literal head dims get unrolled code; any other works too */
+                attend(q + head, out + head, L, table, own, slot, h, G, H, 64, bs, k, v, own_k,
+                       own_v, own_kind, sm_scale, scores);
+            else if (D == 128)
+                attend(q + head, out + head, L, table, own, slot, h, G, H, 128, bs, k, v, own_k,
+                       own_v, own_kind, sm_scale, scores);
+            else
+                attend(q + head, out + head, L, table, own, slot, h, G, H, D, bs, k, v, own_k,
+                       own_v, own_kind, sm_scale, scores);
+            free(scores);
+        }
+    }
+}

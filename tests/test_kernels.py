@@ -1,0 +1,109 @@
+"""The fused decode kernel equals the gather-then-SDPA path and the reference, per format."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slimkv import kernels
+from slimkv.attention import AttentionMetadata, PagedAttention, reference_paged_attention
+from slimkv.kv.cache import PagedKVCache
+
+BLOCK_SIZE, NUM_KV_HEADS, NUM_HEADS = 16, 3, 9
+# (k dtype, v dtype, k_scale): every KV format the kernel decodes, staged and not.
+FORMATS = [("float32", "float32", "per_token"), ("bfloat16", "bfloat16", "per_token"),
+           ("float16", "float16", "per_token"), ("int8", "int8", "per_token"),
+           ("int8", "int8", "per_channel_block"), ("fp8_e4m3", "fp8_e4m3", "per_token"),
+           ("fp8_e5m2", "fp8_e5m2", "per_channel_block"), ("int4", "int4", "per_token"),
+           ("int4", "int4", "per_channel_block"), ("int8", "int4", "per_channel_block")]
+
+
+def _decode_step(k_dtype: str, v_dtype: str, k_scale: str, head_dim: int, lens: list[int],
+                 model_dtype: torch.dtype) -> tuple[PagedKVCache, tuple, AttentionMetadata]:
+    """A cache holding ``lens[i] - 1`` tokens of each sequence (block tables shuffled and
+    padded), and the step that decodes one more token for each."""
+    gen = torch.Generator().manual_seed(head_dim + len(lens))
+    num_blocks = sum(-(-n // BLOCK_SIZE) for n in lens) + 1
+    cache = PagedKVCache(num_layers=1, num_blocks=num_blocks, block_size=BLOCK_SIZE,
+                         num_kv_heads=NUM_KV_HEADS, head_dim=head_dim, k_dtype=k_dtype,
+                         v_dtype=v_dtype, device=torch.device("cpu"), k_scale=k_scale,
+                         num_staging=len(lens), staging_dtype=model_dtype)
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables, prefill = [], PagedAttention(cache, NUM_HEADS, head_dim ** -0.5, model_dtype)
+    for i, n in enumerate(lens):
+        num = -(-n // BLOCK_SIZE)
+        blocks, order = order[:num], order[num:]
+        tables.append(blocks)
+        if n == 1:
+            continue
+        meta = _meta([n - 1], [n - 1], [blocks], [i])
+        q, k, v = (torch.randn(n - 1, h, head_dim, generator=gen, dtype=model_dtype) * 2
+                   for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
+        prefill(0, q, k, v, meta)
+    width = max(map(len, tables))
+    meta = _meta([1] * len(lens), lens, [t + [0] * (width - len(t)) for t in tables],
+                 list(range(len(lens))))
+    step = tuple(torch.randn(len(lens), h, head_dim, generator=gen, dtype=model_dtype) * 2
+                 for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
+    return cache, step, meta
+
+
+def _meta(query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
+          slots: list[int]) -> AttentionMetadata:
+    slot_mapping = [t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                    for t, q, s in zip(tables, query_lens, seq_lens) for p in range(s - q, s)]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slot_mapping), query_lens=query_lens, seq_lens=seq_lens,
+        query_start_loc=[0, *torch.tensor(query_lens).cumsum(0).tolist()],
+        block_tables=torch.tensor(tables), seq_lens_t=torch.tensor(seq_lens),
+        staging_slots=torch.tensor(slots))
+
+
+def _decode(cache: PagedKVCache, step: tuple, meta: AttentionMetadata, model_dtype: torch.dtype,
+            kernel: bool) -> tuple[torch.Tensor, PagedAttention]:
+    attn = PagedAttention(cache, NUM_HEADS, cache.head_dim ** -0.5, model_dtype)
+    if not kernel:
+        attn.kernel_unavailable = "disabled by the test"
+    return attn(0, *step, meta), attn
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 32])
+@pytest.mark.parametrize("k_dtype, v_dtype, k_scale", FORMATS)
+def test_fused_decode_equals_sdpa_and_reference(k_dtype: str, v_dtype: str, k_scale: str,
+                                                head_dim: int) -> None:
+    lens = [1, 16, 17, 40, 100]  # a lone token, a block edge, block + 1, partial blocks
+    cache, step, meta = _decode_step(k_dtype, v_dtype, k_scale, head_dim, lens, torch.float32)
+    state = {name: t.clone() for name, t in cache.tensors().items()}
+    fused, attn = _decode(cache, step, meta, torch.float32, kernel=True)
+    assert attn.path_counts == {"fused_decode": 1}
+    for name, t in cache.tensors().items():  # rewind the step's write for the second run
+        t.copy_(state[name])
+    sdpa, other = _decode(cache, step, meta, torch.float32, kernel=False)
+    assert other.path_counts == {"fast_decode": 1}
+    reference = reference_paged_attention(cache, 0, step[0], meta, head_dim ** -0.5,
+                                          torch.float32)
+    torch.testing.assert_close(fused, sdpa, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_decode_in_bfloat16_model_dtype() -> None:
+    cache, step, meta = _decode_step("int8", "int8", "per_channel_block", 64, [5, 33],
+                                     torch.bfloat16)
+    fused, attn = _decode(cache, step, meta, torch.bfloat16, kernel=True)
+    reference = reference_paged_attention(cache, 0, step[0], meta, 64 ** -0.5, torch.bfloat16)
+    assert attn.path_counts == {"fused_decode": 1} and fused.dtype == torch.bfloat16
+    torch.testing.assert_close(fused.float(), reference.float(), rtol=0, atol=2e-2)
+
+
+def test_without_a_compiler_decodes_on_sdpa_and_says_why(monkeypatch: pytest.MonkeyPatch,
+                                                         tmp_path) -> None:
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    kernels._build.cache_clear()
+    try:
+        cache, step, meta = _decode_step("int8", "int8", "per_token", 64, [20], torch.float32)
+        out, attn = _decode(cache, step, meta, torch.float32, kernel=True)
+        assert "no C compiler" in attn.kernel_unavailable
+        assert attn.path_counts == {"fast_decode": 1} and out.isfinite().all()
+    finally:
+        kernels._build.cache_clear()
