@@ -33,6 +33,19 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="bench/results/scheduling.json", help="JSON file to write")
     p.add_argument("--json", action="store_true", help="also print the JSON")
     p.set_defaults(func=cmd_bench_scheduling)
+    p = bench.add_parser("compare", help="slimkv vs vLLM-CPU and llama.cpp, side by side")
+    add_config_args(p)
+    p.add_argument("--kv-dtypes", type=_csv(str), default=["bfloat16", "int8", "int4"])
+    p.add_argument("--model-dtype", default="bfloat16",
+                   help="weights/activations for slimkv (default bfloat16, as vLLM-CPU)")
+    p.add_argument("--reps", type=int, default=3, help="llama.cpp repetitions per measurement")
+    p.add_argument("--no-peers", action="store_true", help="measure slimkv only")
+    p.add_argument("--peer-scripts", type=Path, help="the peers' drivers (../shared/peers)")
+    p.add_argument("--peer-envs", type=Path, help="their venvs (~/.cache/slimkv-peers)")
+    p.add_argument("--out", default="bench/compare/compare.json", help="JSON file to write")
+    p.add_argument("--plot", default="bench/compare/compare.png", help="PNG of the ratios")
+    p.add_argument("--json", action="store_true", help="also print the JSON")
+    p.set_defaults(func=cmd_bench_compare)
     add_capacity_cli(bench)
 
 
@@ -48,6 +61,22 @@ def cmd_bench_scheduling(args: argparse.Namespace) -> int:
     from slimkv.bench.scheduling import bench_scheduling
 
     return write_result(bench_scheduling(config_from_args(args), args.long_tokens), args)
+
+
+def cmd_bench_compare(args: argparse.Namespace) -> int:
+    from slimkv.bench.compare import bench_compare, format_ratios, plot
+    from slimkv.bench.peers import Peers
+
+    config = config_from_args(args).replace("model", dtype=args.model_dtype)
+    peers = None if args.no_peers else Peers(
+        **{k: v for k, v in (("scripts", args.peer_scripts), ("envs", args.peer_envs)) if v})
+    result = bench_compare(config, args.kv_dtypes, peers, args.reps)
+    write_result(result, args)
+    print(format_ratios(result))
+    if args.plot:
+        plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
 
 
 def write_result(result: dict, args: argparse.Namespace) -> int:

@@ -1,0 +1,66 @@
+"""``slimkv bench compare``: ratio arithmetic, peer skipping, and the workloads on a real engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from slimkv.bench.compare import (TARGETS, batched, decode_rate, decode_steps, engine_for,
+                                  prefill_rate, ratios, verdicts)
+from slimkv.bench.peers import Peers
+from tests.conftest import small_config
+
+
+def _slim(step_bf16: float, step_int8: float, step_int4: float) -> dict:
+    row = {"batched_16x512_64": {"total_tok_s": 600.0}, "parallel8_tok_s": 300.0,
+           "decode_d16_tok_s": 60.0, "decode_d2048_tok_s": 30.0,
+           "prefill_512_tok_s": 500.0, "prefill_2048_tok_s": 400.0}
+    return {kv: {**row, "decode_step_ms_ctx2048": {"b16": step, "b32": 2 * step}}
+            for kv, step in (("bfloat16", step_bf16), ("int8", step_int8), ("int4", step_int4))}
+
+
+def test_ratios_divide_like_for_like_and_verdicts_follow_the_targets() -> None:
+    vllm = {"auto": {"total_tok_s": 500.0}, "fp8": {"total_tok_s": 750.0}}
+    llama = {"timing": {"f16": {"decode_128_d16": {"tok_per_s_median": 100.0},
+                                "decode_128_d2048": {"tok_per_s_median": 100.0},
+                                "prefill_512": {"tok_per_s_median": 1000.0},
+                                "prefill_2048": {"tok_per_s_median": 400.0}}},
+             "parallel_decode_128": {"f16": {"x8": {"tok_per_s_median": 200.0}}}}
+    values = ratios(_slim(10.0, 8.0, 9.0), vllm, llama)
+    assert values["batched_bf16_kv_vs_vllm"] == 1.2
+    assert values["batched_8bit_kv_vs_vllm"] == 0.8
+    assert values["step_int8_over_bf16_b16"] == 0.8 and values["step_int4_over_int8_b32"] == 1.125
+    assert values["parallel8_vs_llamacpp"] == 1.5
+    assert values["single_decode_d2048_vs_llamacpp"] == 0.3
+    assert values["prefill_2048_vs_llamacpp"] == 1.0
+    verdict = verdicts(values)
+    assert verdict["batched_bf16_kv_vs_vllm"] == "met"
+    assert verdict["batched_8bit_kv_vs_vllm"] == "missed"
+    assert verdict["step_int8_over_bf16_b16"] == "met"      # lower is better
+    assert verdict["step_int4_over_int8_b32"] == "missed"
+    assert verdict["single_decode_d2048_vs_llamacpp"] == "missed"   # target 0.5
+    assert verdict["prefill_2048_vs_llamacpp"] == "met"             # target 0.7
+
+
+def test_missing_peers_are_not_measured_rather_than_faked(tmp_path: Path) -> None:
+    peers = Peers(scripts=tmp_path, envs=tmp_path)
+    assert "skipped" in peers.vllm("auto", 16, 512, 64)
+    assert "skipped" in peers.llamacpp(1)
+    values = ratios(_slim(1.0, 1.0, 1.0), {}, {})
+    assert values["batched_bf16_kv_vs_vllm"] is None
+    assert verdicts(values)["parallel8_vs_llamacpp"] == "not measured"
+    assert set(verdicts(values)) == set(TARGETS)
+
+
+@pytest.mark.slow
+def test_workloads_run_on_the_engine_and_leave_the_pool_free() -> None:
+    engine = engine_for(small_config(), "int8", max_seqs=4, max_tokens=80)
+    total = engine.pool.num_free_blocks
+    result = batched(engine, prompts=3, prompt_len=20, new_tokens=4)
+    assert result["total_tok_s"] > result["output_tok_s"] > 0
+    steps = decode_steps(engine, [2, 4], context=40, steps=2)
+    assert set(steps) == {"b2", "b4"} and all(ms > 0 for ms in steps.values())
+    assert decode_rate(engine, 2, 8, 4) > 0 and prefill_rate(engine, 30) > 0
+    assert not engine.has_unfinished() and engine.pool.num_free_blocks == total
+    assert engine.attention.path_counts["fused_decode"] > 0
