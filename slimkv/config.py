@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-MODEL_DTYPES = ("float32", "bfloat16", "float16")
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_DTYPES = (
     "auto", "float32", "float16", "bfloat16",
     "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "int4",

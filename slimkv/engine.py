@@ -37,6 +37,30 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+_CPU_BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``model.dtype``; ``auto`` is bfloat16 where its matmuls are native (CUDA with bf16,
+    CPUs with AVX512-BF16 or AMX: half the weight bytes per decode step), else float32."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        native = torch.cuda.is_bf16_supported()
+    else:
+        native = bool(_CPU_BF16_FLAGS & _cpu_flags())
+    return torch.bfloat16 if native else torch.float32
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
 @dataclass(slots=True)
 class StepBatch:
     input_ids: torch.Tensor
@@ -50,15 +74,16 @@ class LLMEngine:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.device = resolve_device(config.model.device)
-        self.dtype = getattr(torch, config.model.dtype)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        model_dtype = str(self.dtype).removeprefix("torch.")
         self.model_args, self.model, self.tokenizer = load_model(
             config.model.path, self.dtype, self.device)
         self.model_name = config.model.name or self.tokenizer.name
         args, kv = self.model_args, config.kv_cache
         self.max_model_len = min(config.model.max_model_len or args.max_position_embeddings,
                                  args.max_position_embeddings)
-        self.k_dtype = config.model.dtype if kv.key_dtype == "auto" else kv.key_dtype
-        self.v_dtype = config.model.dtype if kv.value_dtype == "auto" else kv.value_dtype
+        self.k_dtype = model_dtype if kv.key_dtype == "auto" else kv.key_dtype
+        self.v_dtype = model_dtype if kv.value_dtype == "auto" else kv.value_dtype
         shape = dict(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
                      head_dim=args.head_dim, k_dtype=self.k_dtype, v_dtype=self.v_dtype,
                      k_scale=kv.k_scale, v_scale=kv.v_scale)

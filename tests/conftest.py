@@ -84,8 +84,9 @@ def live_server(config: Config) -> Iterator[LiveServer]:
 
 
 def small_config(**sections: dict) -> Config:
-    """The embedded default config (int8 KV) with a small KV pool, plus overrides."""
-    config = Config.load().replace("kv_cache", num_blocks=256)
+    """The embedded default config (int8 KV) with a small KV pool and float32 weights (the
+    precision the numerical tests are written for), plus overrides."""
+    config = Config.load().replace("kv_cache", num_blocks=256).replace("model", dtype="float32")
     for section, changes in sections.items():
         config = config.replace(section, **changes)
     return config

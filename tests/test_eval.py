@@ -36,7 +36,7 @@ def quick() -> Iterator[EvalRun]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(slimkv.config, "KV_DTYPES", (*slimkv.config.KV_DTYPES, BROKEN))
         mp.setattr(slimkv.kv.cache, "make_codec", _make_codec)
-        config = Config.load().replace("model", device="cpu")
+        config = Config.load().replace("model", device="cpu", dtype="float32")
         ev = run_eval(config, ["float32", "int8", "int4", BROKEN], SUITES["quick"],
                       progress=False)
         print("\n" + text_table(ev))       # the measured table, for the CI log

@@ -185,7 +185,7 @@ def test_prefix_hits_on_quantized_blocks_equal_cold_prefill() -> None:
     from slimkv.engine import LLMEngine
     from slimkv.sampling import SamplingParams
 
-    config = Config.load().replace("model", device="cpu").replace(
+    config = Config.load().replace("model", device="cpu", dtype="float32").replace(
         "kv_cache", k_scale="per_channel_block", num_blocks=64)
     prompt = list(range(1000, 1045))
     params = SamplingParams(max_tokens=4, temperature=0.0)
@@ -221,7 +221,7 @@ def test_harness_quick_suite_per_channel_block_bounds() -> None:
     # The quick suite's perplexity windows only (no passkey depths, no recall probes).
     suite = dataclasses.replace(SUITES["quick"], depths=(), document_contexts=(),
                                 conversation_contexts=())
-    ev = run_eval(Config.load().replace("model", device="cpu"),
+    ev = run_eval(Config.load().replace("model", device="cpu", dtype="float32"),
                   ["int8:per_channel_block", "int4:per_token", "int4:per_channel_block"], suite,
                   progress=False)
     runs = {run.dtype: run for run in ev.runs}
