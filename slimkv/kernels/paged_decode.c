@@ -110,7 +110,10 @@ load_row(const kv_side *s, int64_t blk, int t, int h, int H, int bs, const int D
     size_t token = ((size_t)blk * bs + t) * H + h;
     load_raw((const char *)s->data + token * s->width * elem_size(s->kind), s->kind, D, out);
     if (s->scale_mode == SCALE_BLOCK && !block_folded) {
-        for (int d = 0; d < D; d++) out[d] = out[d] * bsc[d] + bz[d];
+        if (s->zero)
+            for (int d = 0; d < D; d++) out[d] = out[d] * bsc[d] + bz[d];
+        else
+            for (int d = 0; d < D; d++) out[d] *= bsc[d];
     } else if (s->scale_mode == SCALE_TOKEN && !s->zero) { /* 8-bit: one scale per row */
         return (float)s->scale[token];
     } else if (s->scale_mode == SCALE_TOKEN) { /* int4 groups: the same span of each half */
@@ -127,15 +130,20 @@ load_row(const kv_side *s, int64_t blk, int t, int h, int H, int bs, const int D
     return 1.0f;
 }
 
-/* The block's per-channel scale/zero of head h as floats in load_raw's order. */
-static inline __attribute__((always_inline)) void load_block_scale(const kv_side *s, int64_t blk, int h, int H, const int D,
-                                    float *bsc, float *bz) {
+/* The block's per-channel scale/zero of head h as floats in load_raw's order (zero stays
+ * untouched when the side is symmetric: callers then ignore it). */
+static inline __attribute__((always_inline)) void
+load_block_scale(const kv_side *s, int64_t blk, int h, int H, const int D, float *bsc,
+                 float *bz) {
     if (s->scale_mode != SCALE_BLOCK) return;
     size_t base = ((size_t)blk * H + h) * D;
-    int is_u4 = s->kind == KIND_U4;
+    if (s->kind != KIND_U4) {
+        for (int d = 0; d < D; d++) bsc[d] = (float)s->scale[base + d];
+        return;
+    }
     for (int d = 0; d < D; d++) {
-        bsc[permuted(d, is_u4, D)] = (float)s->scale[base + d];
-        bz[permuted(d, is_u4, D)] = s->zero ? (float)s->zero[base + d] : 0.0f;
+        bsc[permuted(d, 1, D)] = (float)s->scale[base + d];
+        bz[permuted(d, 1, D)] = (float)s->zero[base + d];
     }
 }
 
@@ -176,6 +184,14 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
     return sum;
 }
 
+static inline __attribute__((always_inline)) float dot_i8(const float *a, const int8_t *b,
+                                                           const int D) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int d = 0; d < D; d++) sum += a[d] * (float)b[d];
+    return sum;
+}
+
 /* Sequence b, KV head h: the G query heads of the group over the sequence's L positions.
  * Always inlined with a literal D so that the row loops are fully unrolled and vectorised. */
 static inline __attribute__((always_inline)) void
@@ -196,16 +212,23 @@ attend(const float *qh, float *o, int64_t L, const int64_t *table, int own, int6
             load_block_scale(k, table[j], h, H, D, bsc, bz);
             for (int g = 0; g < G; g++) {
                 for (int d = 0; d < D; d++) qs[g * D + d] = qp[g * D + d] * bsc[d];
-                bias[g] = dot(qp + g * D, bz, D);
+                if (k->zero) bias[g] = dot(qp + g * D, bz, D);
             }
             qk = qs;
         }
         for (int t = 0; t < n; t++) {
-            float sc = 1.0f;
+            float sc = 1.0f, *out = scores + j * bs + t;
+            if (j != own && k->kind == KIND_I8 && (fold || k->scale_mode == SCALE_TOKEN)) {
+                /* int8 keys straight from the pool, no row buffer */
+                size_t token = ((size_t)table[j] * bs + t) * H + h;
+                const int8_t *r = (const int8_t *)k->data + token * D;
+                sc = fold ? 1.0f : (float)k->scale[token];
+                for (int g = 0; g < G; g++) out[g * L] = dot_i8(qk + g * D, r, D) * sc + bias[g];
+                continue;
+            }
             if (j == own) load_staged(k, own_k, own_kind, slot, t, h, H, bs, D, row);
             else sc = load_row(k, table[j], t, h, H, bs, D, fold, bsc, bz, row);
-            for (int g = 0; g < G; g++)
-                scores[g * L + j * bs + t] = dot(qk + g * D, row, D) * sc + bias[g];
+            for (int g = 0; g < G; g++) out[g * L] = dot(qk + g * D, row, D) * sc + bias[g];
         }
     }
     for (int g = 0; g < G; g++) {
@@ -226,6 +249,17 @@ attend(const float *qh, float *o, int64_t L, const int64_t *table, int own, int6
         if (j != own) load_block_scale(v, table[j], h, H, D, bsc, bz);
         for (int t = 0; t < n; t++) {
             float sc = 1.0f;
+            if (j != own && v->kind == KIND_I8 && v->scale_mode == SCALE_TOKEN) {
+                size_t token = ((size_t)table[j] * bs + t) * H + h;
+                const int8_t *r = (const int8_t *)v->data + token * D;
+                sc = (float)v->scale[token];
+                for (int g = 0; g < G; g++) {
+                    float p = scores[g * L + j * bs + t] * sc;
+#pragma omp simd
+                    for (int d = 0; d < D; d++) acc[g * D + d] += p * (float)r[d];
+                }
+                continue;
+            }
             if (j == own) load_staged(v, own_v, own_kind, slot, t, h, H, bs, D, row);
             else sc = load_row(v, table[j], t, h, H, bs, D, 0, bsc, bz, row);
             for (int g = 0; g < G; g++) {
