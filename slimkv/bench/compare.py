@@ -30,6 +30,7 @@ TARGETS = {
     "prefill_2048_vs_llamacpp": (0.7, True),
 }
 LLAMACPP_KV = "f16"  # llama.cpp's default KV type, flash attention on
+BATCHES = [16, 32]  # concurrent sequences of the decode-step workload
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -57,12 +58,21 @@ def batched(engine: LLMEngine, prompts: int, prompt_len: int, new_tokens: int) -
             "total_tok_s": round(prompts * (prompt_len + new_tokens) / wall, 2)}
 
 
+def decode_budget(engine_or_chunk: LLMEngine | int, batches: list[int], context: int,
+                  steps: int) -> int:
+    """New tokens each sequence of :func:`decode_steps` may generate: the ones it decodes
+    while the others still prefill (chunked prefill), plus every measured step."""
+    chunk = (engine_or_chunk if isinstance(engine_or_chunk, int)
+             else engine_or_chunk.config.scheduler.max_num_batched_tokens)
+    return max(batches) * math.ceil(context / chunk) + len(batches) * (steps + 1) + 1
+
+
 def decode_steps(engine: LLMEngine, batches: list[int], context: int,
                  steps: int) -> dict[str, float]:
     """Mean ms per decode step with ``b`` sequences at ``context`` tokens, for each ``b`` in
     ``batches`` (largest first: its sequences are prefilled once, then cut down)."""
     vocab = engine.model_args.vocab_size
-    budget = greedy(len(batches) * (steps + 1) + 1)  # runs through every measured step
+    budget = greedy(decode_budget(engine, batches, context, steps))
     seqs = [engine.add_request(random_prompt(context, vocab, seed=i), budget)
             for i in range(max(batches))]
     while any(s.num_output_tokens == 0 for s in seqs):
@@ -76,6 +86,8 @@ def decode_steps(engine: LLMEngine, batches: list[int], context: int,
         for _ in range(steps):
             engine.step()
         result[f"b{batch}"] = round(1000 * (time.perf_counter() - start) / steps, 2)
+        if any(seq.is_finished for seq in seqs[:batch]):
+            raise RuntimeError("a sequence finished inside the measured decode steps")
     for seq in seqs:
         engine.abort_request(seq.request_id)
     return result
@@ -107,10 +119,11 @@ def bench_slimkv(config: Config, kv_dtypes: list[str], context: int, steps: int,
     """Every workload for each KV dtype, one engine per dtype."""
     out: dict[str, Any] = {}
     for kv in kv_dtypes:
-        engine = engine_for(config, kv, 32, context + 2 * (steps + 1) + 16)
+        budget = decode_budget(config.scheduler.max_num_batched_tokens, BATCHES, context, steps)
+        engine = engine_for(config, kv, max(BATCHES), context + budget + 16)
         prefill_rate(engine, 16)  # warm-up: kernels built, allocator primed
         row = {"batched_16x512_64": batched(engine, 16, 512, 64),
-               "decode_step_ms_ctx2048": decode_steps(engine, [16, 32], context, steps),
+               "decode_step_ms_ctx2048": decode_steps(engine, BATCHES, context, steps),
                "parallel8_tok_s": decode_rate(engine, 8, 16, 128),
                "decode_d16_tok_s": decode_rate(engine, 1, 16, 128),
                "decode_d2048_tok_s": decode_rate(engine, 1, 2048, 128),
