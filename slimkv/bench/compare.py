@@ -38,12 +38,13 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 def engine_for(config: Config, kv_dtype: str, max_seqs: int, max_tokens: int) -> LLMEngine:
-    """An engine with a pool for ``max_seqs`` sequences of ``max_tokens``, no prefix reuse."""
+    """An engine with a pool for ``max_seqs`` sequences of ``max_tokens``, no prefix reuse,
+    first-come-first-served (raw throughput: no lane holds long requests back)."""
     blocks = max_seqs * math.ceil(max_tokens / config.kv_cache.block_size) + 16
     config = config.replace("kv_cache", dtype=kv_dtype, k_dtype=None, v_dtype=None,
                             num_blocks=blocks, enable_prefix_caching=False, watermark=1.0,
                             max_concurrency_soft=max_seqs)
-    return LLMEngine(config)
+    return LLMEngine(config.replace("scheduler", policy="fcfs"))
 
 
 def batched(engine: LLMEngine, prompts: int, prompt_len: int, new_tokens: int) -> dict[str, Any]:
@@ -61,10 +62,11 @@ def batched(engine: LLMEngine, prompts: int, prompt_len: int, new_tokens: int) -
 def decode_budget(engine_or_chunk: LLMEngine | int, batches: list[int], context: int,
                   steps: int) -> int:
     """New tokens each sequence of :func:`decode_steps` may generate: the ones it decodes
-    while the others still prefill (chunked prefill), plus every measured step."""
+    while the others still prefill (chunked prefill; decodes share each step's token budget,
+    so at most twice the chunks' count of steps), plus every measured step."""
     chunk = (engine_or_chunk if isinstance(engine_or_chunk, int)
              else engine_or_chunk.config.scheduler.max_num_batched_tokens)
-    return max(batches) * math.ceil(context / chunk) + len(batches) * (steps + 1) + 1
+    return 2 * max(batches) * math.ceil(context / chunk) + len(batches) * (steps + 1) + 1
 
 
 def decode_steps(engine: LLMEngine, batches: list[int], context: int,
