@@ -57,7 +57,8 @@ def fake_quant(codec: KVCodec, x: Tensor, sinks: int, rotate: Tensor | None) -> 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--windows", type=int, default=4)
+    p.add_argument("--windows", type=int, default=2)
+    p.add_argument("--schemes", help="comma-separated scheme names (default: all)")
     args = p.parse_args()
     config = Config.load().replace("kv_cache", dtype="float32", num_blocks=160)
     config = config.replace("scheduler", max_num_batched_tokens=2048)
@@ -72,7 +73,11 @@ def main() -> None:
                      side_codec("int8", head_dim, "per_token")),
         "int4 pcb/g32": (side_codec("int4", head_dim, "per_channel_block"),
                          side_codec("int4", head_dim, "per_token")),
+        "int4 g32/g32": (side_codec("int4", head_dim, "per_token"),
+                         side_codec("int4", head_dim, "per_token")),
     }
+    if args.schemes:
+        schemes = {name: schemes[name] for name in args.schemes.split(",")}
     variants = {"plain": (0, None), "sinks4": (4, None), "sinks16": (16, None),
                 "hadamard": (0, rot), "hadamard+sinks16": (16, rot)}
     windows = corpus.windows(engine.tokenizer, 1024, args.windows)

@@ -50,4 +50,6 @@ def test_cli_prints_an_accepted_map(capsys: pytest.CaptureFixture[str]) -> None:
     mix = config.kv_cache.layer_dtypes
     assert config.kv_cache.dtype == "int4" and SMOLLM2.bits("int4", mix) <= 6.0
     assert len(mix["int8"]) == 4
+    table = out.split("top-1 %\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert sorted(int(row.split()[1]) for row in table[:4]) == mix["int8"]  # most sensitive
     assert "uniform int8" in out and "control: least sensitive" in out
