@@ -72,6 +72,7 @@ class PagedKVCache:
         self.staging = Staging(self, num_staging, staging_dtype) if staged else None
 
     def _group_layers(self) -> list[_LayerGroup]:
+        """One group per distinct codec pair (``layer_codecs`` shares one dict per pair)."""
         groups: dict[int, _LayerGroup] = {}
         for layer, codecs in enumerate(self.layer_codecs):
             group = groups.setdefault(id(codecs), _LayerGroup([], codecs, {}))
