@@ -173,7 +173,7 @@ class PagedAttention:
         format whose storage this device cannot decode (e.g. fp8 without float8 support)."""
         if not self.fast:
             return f"the fast attention path is disabled (fast=False or {FAST_ENV}=0)"
-        for codec in self.cache.codecs.values():
+        for codec in self.cache.all_codecs():
             probe = torch.zeros(1, self.cache.block_size, 1, codec.head_dim,
                                 device=self.cache.device)
             try:

@@ -26,7 +26,8 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> Config:
     config = Config.load(args.config)
     if getattr(args, "kv_dtype", None):
-        config = config.replace("kv_cache", dtype=args.kv_dtype, k_dtype=None, v_dtype=None)
+        config = config.replace("kv_cache", dtype=args.kv_dtype, k_dtype=None, v_dtype=None,
+                                layer_dtypes=None)
     if getattr(args, "model_path", None):
         config = config.replace("model", path=args.model_path)
     return config

@@ -21,6 +21,8 @@ KV_DTYPES = (
     "auto", "float32", "float16", "bfloat16",
     "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "int4",
 )
+# kv_cache.layer_dtypes names concrete formats only.
+LAYER_KV_DTYPES = tuple(d for d in KV_DTYPES if d != "auto")
 # Scale layouts (float KV dtypes have no scales and ignore them; see slimkv/kv/cache.py).
 K_SCALES = ("per_token", "per_channel_block")
 V_SCALES = ("per_token", "group32")
@@ -88,6 +90,7 @@ class KVCacheConfig:
     watermark: float = 0.7
     watermark_hysteresis: float = 0.05
     strict: bool = True
+    layer_dtypes: dict[str, list[int]] | None = None
 
     def __post_init__(self) -> None:
         _check_choice(self.dtype, KV_DTYPES, "kv_cache.dtype")
@@ -114,6 +117,8 @@ class KVCacheConfig:
         _check_choice(self.evict_policy, EVICT_POLICIES, "kv_cache.evict_policy")
         _check_fraction(self.watermark, "kv_cache.watermark")
         _check_fraction(self.watermark_hysteresis, "kv_cache.watermark_hysteresis", allow_zero=True)
+        if self.layer_dtypes is not None:
+            _check_layer_dtypes(self.layer_dtypes)
 
     @property
     def key_dtype(self) -> str:
@@ -122,6 +127,25 @@ class KVCacheConfig:
     @property
     def value_dtype(self) -> str:
         return self.v_dtype or self.dtype
+
+
+def _check_layer_dtypes(value: Any) -> None:
+    """``{dtype: [layer, ...]}``: concrete dtypes, non-negative layer indices, each layer
+    at most once (layer counts are checked against the model when the engine starts)."""
+    key = "kv_cache.layer_dtypes"
+    _check(isinstance(value, dict), key,
+           f"must map a KV dtype to a list of layer indices, e.g. {{int8: [0, 1]}}, got {value!r}")
+    seen: dict[int, str] = {}
+    for dtype, layers in value.items():
+        _check_choice(dtype, LAYER_KV_DTYPES, key)
+        _check(isinstance(layers, list) and bool(layers), f"{key}.{dtype}",
+               f"must be a non-empty list of layer indices, got {layers!r}")
+        for layer in layers:
+            _check(isinstance(layer, int) and not isinstance(layer, bool) and layer >= 0,
+                   f"{key}.{dtype}", f"layer indices are integers >= 0, got {layer!r}")
+            _check(layer not in seen, f"{key}.{dtype}",
+                   f"layer {layer} is also listed under {seen.get(layer)}")
+            seen[layer] = dtype
 
 
 @dataclass(slots=True)

@@ -86,7 +86,7 @@ class LLMEngine:
         self.v_dtype = model_dtype if kv.value_dtype == "auto" else kv.value_dtype
         shape = dict(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
                      head_dim=args.head_dim, k_dtype=self.k_dtype, v_dtype=self.v_dtype,
-                     k_scale=kv.k_scale, v_scale=kv.v_scale)
+                     k_scale=kv.k_scale, v_scale=kv.v_scale, layer_dtypes=kv.layer_dtypes)
         self.bytes_per_token = PagedKVCache.bytes_per_token(**shape, block_size=kv.block_size)
         # One staging slot per running sequence, plus one for score().
         num_staging = kv.max_concurrency_soft + 1
@@ -124,7 +124,7 @@ class LLMEngine:
         if kv.num_blocks:
             return kv.num_blocks
         staged = PagedKVCache.is_staged(shape["k_dtype"], shape["v_dtype"], shape["head_dim"],
-                                        kv.k_scale, kv.v_scale)
+                                        kv.k_scale, kv.v_scale, kv.layer_dtypes)
         staging = Staging.bytes(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"],
                                 kv.block_size, num_staging, self.dtype) if staged else 0
         num_blocks = PagedKVCache.num_blocks_for_budget(

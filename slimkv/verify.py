@@ -52,7 +52,7 @@ def verify_dtype(config: Config, kv_dtype: str, prompt_len: int = 40, new_tokens
 
     blocks_per_prompt = -(-(prompt_len + new_tokens) // config.kv_cache.block_size)
     config = config.replace("kv_cache", dtype=kv_dtype, k_dtype=None, v_dtype=None,
-                            strict=False, num_blocks=2 * blocks_per_prompt + 2)
+                            layer_dtypes=None, strict=False, num_blocks=2 * blocks_per_prompt + 2)
     engine = LLMEngine(config)
     checked = CheckedAttention(engine.attention)
     engine.attention = checked

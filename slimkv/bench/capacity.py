@@ -81,7 +81,8 @@ def variant_config(config: Config, variant: Variant, budget: int, spec: Capacity
     scales, and the staging blocks of schemes that need them, all inside the budget)."""
     return (config.replace("model", max_model_len=spec.context)
             .replace("kv_cache", dtype=variant.dtype, k_dtype=None, v_dtype=None,
-                     paged=variant.paged, num_blocks=None, memory_gb=budget / GiB))
+                     layer_dtypes=None, paged=variant.paged, num_blocks=None,
+                     memory_gb=budget / GiB))
 
 
 async def measure_level(server: ServerProcess, run: RunSpec, concurrency: int,

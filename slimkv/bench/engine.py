@@ -51,7 +51,7 @@ def bench_engine(config: Config, kv_dtypes: list[str], prompt_lens: list[int],
     results: dict[str, Any] = {}
     for dtype in kv_dtypes:
         cfg = config.replace("kv_cache", dtype=dtype, k_dtype=None, v_dtype=None,
-                             enable_prefix_caching=False, watermark=1.0,
+                             layer_dtypes=None, enable_prefix_caching=False, watermark=1.0,
                              max_concurrency_soft=max(batches))
         engine = LLMEngine(cfg)
         row: dict[str, Any] = {"bytes_per_token": engine.bytes_per_token}

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from slimkv.cli import add_config_args, config_from_args, print_json
+from slimkv.config import Config
 
 DEFAULT_DTYPES = "float32,bfloat16,int8,fp8,int4"
 
@@ -36,7 +37,22 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--markdown", help="also write the markdown table here")
     p.add_argument("--plot", help="write a PNG plot here")
     p.add_argument("--no-progress", action="store_true")
+    _add_sensitivity_args(p)
     p.set_defaults(func=cmd_eval)
+
+
+def _add_sensitivity_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("per-layer sensitivity (see slimkv/eval/sensitivity.py)")
+    g.add_argument("--sensitivity", action="store_true",
+                   help="quantize one layer at a time, rank the layers and propose "
+                        "kv_cache.layer_dtypes for --target-bits")
+    g.add_argument("--low", default="int4", help="dtype of the layers left low (default int4)")
+    g.add_argument("--high", default="int8", help="dtype of the sensitive layers (default int8)")
+    g.add_argument("--target-bits", type=float, default=6.0,
+                   help="average stored bits per KV value, scales included (default 6)")
+    g.add_argument("--rank-by", choices=("perplexity", "kl"), default="perplexity")
+    g.add_argument("--windows", type=int, help="corpus windows (default: the suite's)")
+    g.add_argument("--window", type=int, help="tokens per window (default: the suite's)")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -44,6 +60,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from slimkv.eval.report import gate, markdown, text_table, to_json
 
     config = config_from_args(args)
+    if args.sensitivity:
+        return cmd_sensitivity(args, config)
     serving = args.serving or [config.kv_cache.dtype]
     ev = run_eval(config, args.kv_dtypes, SUITES[args.suite], args.reference,
                   progress=not args.no_progress)
@@ -64,6 +82,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
         for failure in gate(ev, serving, args.max_regression):
             print(f"GATE FAILED: {failure}")
     return 0 if result["gate"]["passed"] else 1
+
+
+def cmd_sensitivity(args: argparse.Namespace, config: Config) -> int:
+    from slimkv.eval.harness import SUITES
+    from slimkv.eval.sensitivity import run_sensitivity, text_report
+
+    suite = SUITES[args.suite]
+    run = run_sensitivity(config, low=args.low, high=args.high, reference=args.reference,
+                          target_bits=args.target_bits, rank_by=args.rank_by,
+                          window=args.window or suite.window,
+                          num_windows=args.windows or suite.num_windows,
+                          progress=not args.no_progress)
+    if args.out:
+        _write(args.out, json.dumps(run.to_dict(), indent=2) + "\n")
+    if args.json:
+        print_json(run.to_dict())
+    else:
+        print(text_report(run))
+    return 0
 
 
 def _write(path: str, text: str) -> None:

@@ -89,7 +89,8 @@ def eval_config(config: Config, dtype: str, max_context: int) -> Config:
     ``kv_cache.k_scale`` applies."""
     blocks = math.ceil(1.5 * max_context / config.kv_cache.block_size)
     dtype, _, k_scale = dtype.partition(":")
-    config = config.replace("kv_cache", dtype=dtype, k_dtype=None, v_dtype=None, num_blocks=blocks,
+    config = config.replace("kv_cache", dtype=dtype, k_dtype=None, v_dtype=None,
+                            layer_dtypes=None, num_blocks=blocks,
                             k_scale=k_scale or config.kv_cache.k_scale)
     budget = max(config.scheduler.max_num_batched_tokens, _STEP_TOKENS)
     return config.replace("scheduler", max_num_batched_tokens=budget)

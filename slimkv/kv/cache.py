@@ -5,6 +5,8 @@ such as ``scale``/``zero``) is one tensor ``[num_layers, num_blocks, block_size,
 width]`` allocated once at start-up; per-block auxiliary tensors (per-channel key scales)
 are ``[num_layers, num_blocks, num_kv_heads, width]``. Token ``offset`` of block ``b`` lives
 at slot ``b * block_size + offset``. Reads gather and dequantize only the requested blocks.
+With ``layer_dtypes`` (per-layer mixed precision, :mod:`slimkv.kv.layers`) the layers of each
+dtype have their own tensors, whose leading axis runs over those layers only.
 
 A codec with per-block scales can only quantize full blocks, so such a cache is *staged*:
 each running sequence owns a staging slot holding its last block in full precision
@@ -13,34 +15,43 @@ each running sequence owns a staging slot holding its last block in full precisi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-from slimkv.kv.block_scales import per_channel_block
-from slimkv.kv.quant import AUX_DTYPE, FloatCodec, KVCodec, QuantizedKV, make_codec
+from slimkv.kv.layers import LayerDtypes, dtype_pairs, layer_codecs, side_codec
+from slimkv.kv.quant import AUX_DTYPE, KVCodec, QuantizedKV
 from slimkv.kv.staging import Staging
 
 _SIDES = ("k", "v")
 
+__all__ = ["PagedKVCache", "side_codec"]
 
-def side_codec(name: str, head_dim: int, scale: str | None) -> KVCodec:
-    """The codec of ``name`` with a scale layout. ``per_token`` (or ``None``) computes scales
-    within each token-head vector: one for int8/fp8, one per group of 32 for int4, which is
-    what ``group32`` names (8-bit values keep one scale per token-head).
-    ``per_channel_block``: see :mod:`slimkv.kv.block_scales`. Float dtypes have no scales."""
-    codec = make_codec(name, head_dim)
-    if scale == "per_channel_block" and not isinstance(codec, FloatCodec):
-        return per_channel_block(codec)
-    return codec
+
+@dataclass(slots=True)
+class _LayerGroup:
+    """Layers sharing one K codec and one V codec: one pool per side whose leading axis runs
+    over ``layers``."""
+
+    layers: list[int]
+    codecs: dict[str, KVCodec]
+    pools: dict[str, QuantizedKV]
 
 
 class PagedKVCache:
-    """All layers' K and V blocks in their (possibly quantized) storage formats."""
+    """All layers' K and V blocks in their (possibly quantized) storage formats.
+
+    ``layer_dtypes`` (see :mod:`slimkv.kv.layers`) gives some layers another dtype than
+    ``k_dtype``/``v_dtype``; layers with the same codecs share one pool per side.
+    ``codecs`` are the default layers' codecs, ``layer_codecs[layer]`` each layer's.
+    """
 
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, k_dtype: str, v_dtype: str, device: torch.device,
                  k_scale: str = "per_token", v_scale: str | None = None, num_staging: int = 1,
-                 staging_dtype: torch.dtype = torch.float32) -> None:
+                 staging_dtype: torch.dtype = torch.float32,
+                 layer_dtypes: LayerDtypes | None = None) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -48,22 +59,40 @@ class PagedKVCache:
         self.head_dim = head_dim
         self.device = torch.device(device)
         self.scales = {"k": k_scale, "v": v_scale}
+        self.layer_dtypes = layer_dtypes
         self.codecs: dict[str, KVCodec] = {
             "k": side_codec(k_dtype, head_dim, k_scale),
             "v": side_codec(v_dtype, head_dim, v_scale)}
-        self._pools = {side: self._allocate(codec) for side, codec in self.codecs.items()}
-        self.staging = (Staging(self, num_staging, staging_dtype)
-                        if self.is_staged(k_dtype, v_dtype, head_dim, k_scale, v_scale) else None)
+        self.layer_codecs = layer_codecs(num_layers, head_dim, k_dtype, v_dtype, k_scale,
+                                         v_scale, layer_dtypes)
+        self._groups = self._group_layers()
+        self._where = {layer: (group, i) for group in self._groups
+                       for i, layer in enumerate(group.layers)}
+        staged = self.is_staged(k_dtype, v_dtype, head_dim, k_scale, v_scale, layer_dtypes)
+        self.staging = Staging(self, num_staging, staging_dtype) if staged else None
+
+    def _group_layers(self) -> list[_LayerGroup]:
+        """One group per distinct codec pair (``layer_codecs`` shares one dict per pair)."""
+        groups: dict[int, _LayerGroup] = {}
+        for layer, codecs in enumerate(self.layer_codecs):
+            group = groups.setdefault(id(codecs), _LayerGroup([], codecs, {}))
+            group.layers.append(layer)
+        for group in groups.values():
+            group.pools = {side: self._allocate(codec, len(group.layers))
+                           for side, codec in group.codecs.items()}
+        return list(groups.values())
 
     @staticmethod
     def is_staged(k_dtype: str, v_dtype: str, head_dim: int, k_scale: str | None,
-                  v_scale: str | None) -> bool:
-        """Whether a codec has per-block scales, so that partial blocks need staging."""
-        codecs = (side_codec(k_dtype, head_dim, k_scale), side_codec(v_dtype, head_dim, v_scale))
-        return any(codec.block_aux_widths for codec in codecs)
+                  v_scale: str | None, layer_dtypes: LayerDtypes | None = None) -> bool:
+        """Whether a codec has per-block scales, so that partial blocks need staging (the
+        default dtypes count even when ``layer_dtypes`` overrides every layer)."""
+        return any(side_codec(k, head_dim, k_scale).block_aux_widths
+                   or side_codec(v, head_dim, v_scale).block_aux_widths
+                   for k, v in dtype_pairs(k_dtype, v_dtype, layer_dtypes))
 
-    def _allocate(self, codec: KVCodec) -> QuantizedKV:
-        lead = (self.num_layers, self.num_blocks)
+    def _allocate(self, codec: KVCodec, num_layers: int) -> QuantizedKV:
+        lead = (num_layers, self.num_blocks)
         heads = (self.num_kv_heads,)
         tokens = (self.block_size, self.num_kv_heads)
         data = torch.zeros(*lead, *tokens, codec.data_width, dtype=codec.storage_dtype,
@@ -80,38 +109,43 @@ class PagedKVCache:
     @staticmethod
     def block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, k_dtype: str,
                     v_dtype: str, k_scale: str = "per_token", v_scale: str | None = None,
-                    block_size: int = 16) -> int:
-        """Exact bytes of one block across all layers, K and V, scales and zeros included."""
-        codecs = (side_codec(k_dtype, head_dim, k_scale), side_codec(v_dtype, head_dim, v_scale))
-        per_head = sum(codec.bytes_per_block_head(block_size) for codec in codecs)
-        return num_layers * num_kv_heads * per_head
+                    block_size: int = 16, layer_dtypes: LayerDtypes | None = None) -> int:
+        """Exact bytes of one block across all layers, K and V, scales and zeros included:
+        the sum of every layer's own figure."""
+        codecs = layer_codecs(num_layers, head_dim, k_dtype, v_dtype, k_scale, v_scale,
+                              layer_dtypes)
+        per_head = sum(codec.bytes_per_block_head(block_size)
+                       for layer in codecs for codec in layer.values())
+        return num_kv_heads * per_head
 
     @classmethod
     def bytes_per_token(cls, num_layers: int, num_kv_heads: int, head_dim: int, k_dtype: str,
                         v_dtype: str, k_scale: str = "per_token", v_scale: str | None = None,
-                        block_size: int = 16) -> float:
+                        block_size: int = 16, layer_dtypes: LayerDtypes | None = None) -> float:
         """Bytes one token occupies in the pool: :meth:`block_bytes` / ``block_size`` (an
         integer whenever per-block scales divide evenly; staging is not per token, see
         :meth:`Staging.bytes`)."""
         per_block = cls.block_bytes(num_layers, num_kv_heads, head_dim, k_dtype, v_dtype,
-                                    k_scale, v_scale, block_size)
+                                    k_scale, v_scale, block_size, layer_dtypes)
         return per_block // block_size if per_block % block_size == 0 else per_block / block_size
 
     @classmethod
     def num_blocks_for_budget(cls, budget_bytes: int, block_size: int, *, num_layers: int,
                               num_kv_heads: int, head_dim: int, k_dtype: str, v_dtype: str,
                               k_scale: str = "per_token", v_scale: str | None = None,
-                              reserved_bytes: int = 0) -> int:
+                              reserved_bytes: int = 0,
+                              layer_dtypes: LayerDtypes | None = None) -> int:
         """How many blocks fit in ``budget_bytes`` less ``reserved_bytes`` (staging), floor."""
         per_block = cls.block_bytes(num_layers, num_kv_heads, head_dim, k_dtype, v_dtype,
-                                    k_scale, v_scale, block_size)
+                                    k_scale, v_scale, block_size, layer_dtypes)
         return max(0, budget_bytes - reserved_bytes) // per_block
 
     @property
     def bytes_per_block(self) -> int:
         return self.block_bytes(self.num_layers, self.num_kv_heads, self.head_dim,
                                 self.codecs["k"].name, self.codecs["v"].name,
-                                self.scales["k"], self.scales["v"], self.block_size)
+                                self.scales["k"], self.scales["v"], self.block_size,
+                                self.layer_dtypes)
 
     @property
     def nbytes(self) -> int:
@@ -122,13 +156,25 @@ class PagedKVCache:
     def staging_nbytes(self) -> int:
         return 0 if self.staging is None else self.staging.buffer.nbytes
 
+    def all_codecs(self) -> list[KVCodec]:
+        """Every distinct codec the cache stores (K and V of every layer group)."""
+        return [codec for group in self._groups for codec in group.codecs.values()]
+
     def tensors(self) -> dict[str, Tensor]:
-        """Every pool tensor (staging apart) by name (``k_data``, ``k_scale``, ``v_zero``, ...)."""
+        """Every pool tensor (staging apart) by name (``k_data``, ``k_scale``, ``v_zero``, ...);
+        with several layer groups the names end in the group's dtypes, ``k_data[int8]``."""
         named = {}
-        for side, pool in self._pools.items():
-            named[f"{side}_data"] = pool.data
-            named.update({f"{side}_{name}": t for name, t in pool.aux.items()})
+        for group in self._groups:
+            tag = "" if len(self._groups) == 1 else f"[{self._tag(group)}]"
+            for side, pool in group.pools.items():
+                named[f"{side}_data{tag}"] = pool.data
+                named.update({f"{side}_{name}{tag}": t for name, t in pool.aux.items()})
         return named
+
+    @staticmethod
+    def _tag(group: _LayerGroup) -> str:
+        k, v = (group.codecs[side].name for side in _SIDES)
+        return k if k == v else f"{k}/{v}"
 
     # -- access -------------------------------------------------------------------------
 
@@ -138,17 +184,22 @@ class PagedKVCache:
         if self.staging is not None:
             raise RuntimeError("a cache with per-block scales is written block by block")
         for side, x in zip(_SIDES, (k, v)):
-            encoded = self.codecs[side].quantize(x)
-            pool = self._pools[side]
-            for stored, new in self._fields(pool, encoded):
-                stored[layer].flatten(0, 1)[slot_mapping] = new
+            encoded = self.layer_codecs[layer][side].quantize(x)
+            for stored, new in self._fields(self.layer_pool(side, layer), encoded):
+                stored.flatten(0, 1)[slot_mapping] = new
 
     def write_blocks(self, layer: int, block_ids: Tensor, k: Tensor, v: Tensor) -> None:
         """Quantize whole blocks ``k``/``v`` ``[n, block_size, H, D]`` into ``block_ids [n]``."""
         for side, x in zip(_SIDES, (k, v)):
-            encoded = self.codecs[side].quantize(x)
-            for stored, new in self._fields(self._pools[side], encoded):
-                stored[layer][block_ids] = new
+            encoded = self.layer_codecs[layer][side].quantize(x)
+            for stored, new in self._fields(self.layer_pool(side, layer), encoded):
+                stored[block_ids] = new
+
+    def layer_pool(self, side: str, layer: int) -> QuantizedKV:
+        """Views of one layer's tensors of side ``k`` or ``v`` (for native kernels)."""
+        group, index = self._where[layer]
+        pool = group.pools[side]
+        return QuantizedKV(pool.data[index], {name: t[index] for name, t in pool.aux.items()})
 
     def layer_pool(self, side: str, layer: int) -> QuantizedKV:
         """Views of one layer's tensors of side ``k`` or ``v`` (for native kernels)."""
@@ -168,10 +219,10 @@ class PagedKVCache:
         return self.read(layer, block_tables[:, :num_blocks], dtype)
 
     def _read_side(self, side: str, layer: int, block_ids: Tensor, dtype: torch.dtype) -> Tensor:
-        pool = self._pools[side]
-        gathered = QuantizedKV(pool.data[layer][block_ids],
-                               {name: t[layer][block_ids] for name, t in pool.aux.items()})
-        return self.codecs[side].dequantize(gathered, dtype).flatten(-4, -3)
+        pool = self.layer_pool(side, layer)
+        gathered = QuantizedKV(pool.data[block_ids],
+                               {name: t[block_ids] for name, t in pool.aux.items()})
+        return self.layer_codecs[layer][side].dequantize(gathered, dtype).flatten(-4, -3)
 
     @staticmethod
     def _fields(pool: QuantizedKV, encoded: QuantizedKV) -> list[tuple[Tensor, Tensor]]:
@@ -179,6 +230,7 @@ class PagedKVCache:
         return [(pool.data, encoded.data)] + [(pool.aux[n], encoded.aux[n]) for n in pool.aux]
 
     def __repr__(self) -> str:
+        mix = f", layer_dtypes={dict(self.layer_dtypes)}" if self.layer_dtypes else ""
         return (f"PagedKVCache(layers={self.num_layers}, blocks={self.num_blocks}, "
                 f"block_size={self.block_size}, k={self.codecs['k'].name}, "
-                f"v={self.codecs['v'].name}, {self.nbytes / 2**20:.1f} MiB)")
+                f"v={self.codecs['v'].name}{mix}, {self.nbytes / 2**20:.1f} MiB)")

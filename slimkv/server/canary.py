@@ -42,7 +42,8 @@ class Canary:
         self._rng = random.Random(0)
         self.engine = LLMEngine(config.replace(
             "kv_cache", dtype=config.canary.reference_dtype, k_dtype=None, v_dtype=None,
-            memory_gb=config.canary.memory_gb, num_blocks=None, enable_prefix_caching=False))
+            layer_dtypes=None, memory_gb=config.canary.memory_gb, num_blocks=None,
+            enable_prefix_caching=False))
         self._queue: queue.Queue[tuple[list[int], list[int]] | None] = queue.Queue(
             config.canary.max_pending)
         labels = {"model_name": model_name, "reference_dtype": config.canary.reference_dtype}
