@@ -186,7 +186,7 @@ class PagedAttention:
         """Why decodes cannot use the fused kernel of :mod:`slimkv.kernels` (None if they can)."""
         if self.cache.device.type != "cpu":
             return f"the fused decode kernel is CPU-only (device {self.cache.device})"
-        if any(kernel_format(codec) is None for codec in self.cache.codecs.values()):
+        if any(kernel_format(codec) is None for codec in self.cache.all_codecs()):
             return "the fused decode kernel lacks this KV format"
         return kernel_unavailable_reason()
 
@@ -250,7 +250,7 @@ class PagedAttention:
         own = None if staging is None else (staging.buffer[0, layer], staging.buffer[1, layer],
                                             plan.staging_slots)
         if layer not in self._sides:
-            self._sides[layer] = tuple(describe(self.cache.codecs[side],
+            self._sides[layer] = tuple(describe(self.cache.layer_codecs[layer][side],
                                                 self.cache.layer_pool(side, layer))
                                        for side in ("k", "v"))
         result = decode_kernel()(q[plan.rows].float(), plan.block_tables, plan.seq_lens,

@@ -19,15 +19,17 @@ FORMATS = [("float32", "float32", "per_token"), ("bfloat16", "bfloat16", "per_to
 
 
 def _decode_step(k_dtype: str, v_dtype: str, k_scale: str, head_dim: int, lens: list[int],
-                 model_dtype: torch.dtype) -> tuple[PagedKVCache, tuple, AttentionMetadata]:
-    """A cache holding ``lens[i] - 1`` tokens of each sequence (block tables shuffled and
-    padded), and the step that decodes one more token for each."""
+                 model_dtype: torch.dtype, layer: int = 0, layer_dtypes: dict | None = None
+                 ) -> tuple[PagedKVCache, tuple, AttentionMetadata]:
+    """A cache holding ``lens[i] - 1`` tokens of each sequence in ``layer`` (block tables
+    shuffled and padded), and the step that decodes one more token for each."""
     gen = torch.Generator().manual_seed(head_dim + len(lens))
     num_blocks = sum(-(-n // BLOCK_SIZE) for n in lens) + 1
-    cache = PagedKVCache(num_layers=1, num_blocks=num_blocks, block_size=BLOCK_SIZE,
+    cache = PagedKVCache(num_layers=layer + 1, num_blocks=num_blocks, block_size=BLOCK_SIZE,
                          num_kv_heads=NUM_KV_HEADS, head_dim=head_dim, k_dtype=k_dtype,
                          v_dtype=v_dtype, device=torch.device("cpu"), k_scale=k_scale,
-                         num_staging=len(lens), staging_dtype=model_dtype)
+                         num_staging=len(lens), staging_dtype=model_dtype,
+                         layer_dtypes=layer_dtypes)
     order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     tables, prefill = [], PagedAttention(cache, NUM_HEADS, head_dim ** -0.5, model_dtype)
     for i, n in enumerate(lens):
@@ -39,7 +41,7 @@ def _decode_step(k_dtype: str, v_dtype: str, k_scale: str, head_dim: int, lens: 
         meta = _meta([n - 1], [n - 1], [blocks], [i])
         q, k, v = (torch.randn(n - 1, h, head_dim, generator=gen, dtype=model_dtype) * 2
                    for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
-        prefill(0, q, k, v, meta)
+        prefill(layer, q, k, v, meta)
     width = max(map(len, tables))
     meta = _meta([1] * len(lens), lens, [t + [0] * (width - len(t)) for t in tables],
                  list(range(len(lens))))
@@ -60,11 +62,11 @@ def _meta(query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
 
 
 def _decode(cache: PagedKVCache, step: tuple, meta: AttentionMetadata, model_dtype: torch.dtype,
-            kernel: bool) -> tuple[torch.Tensor, PagedAttention]:
+            kernel: bool, layer: int = 0) -> tuple[torch.Tensor, PagedAttention]:
     attn = PagedAttention(cache, NUM_HEADS, cache.head_dim ** -0.5, model_dtype)
     if not kernel:
         attn.kernel_unavailable = "disabled by the test"
-    return attn(0, *step, meta), attn
+    return attn(layer, *step, meta), attn
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 32])
@@ -93,6 +95,17 @@ def test_fused_decode_in_bfloat16_model_dtype() -> None:
     reference = reference_paged_attention(cache, 0, step[0], meta, 64 ** -0.5, torch.bfloat16)
     assert attn.path_counts == {"fused_decode": 1} and fused.dtype == torch.bfloat16
     torch.testing.assert_close(fused.float(), reference.float(), rtol=0, atol=2e-2)
+
+
+def test_fused_decode_reads_each_layer_with_its_own_codec() -> None:
+    """kv_cache.layer_dtypes: layer 1 stored in int4 while the default is int8."""
+    cache, step, meta = _decode_step("int8", "int8", "per_channel_block", 64, [7, 40],
+                                     torch.float32, layer=1, layer_dtypes={"int4": [1]})
+    assert cache.layer_codecs[1]["k"].name == "int4"
+    fused, attn = _decode(cache, step, meta, torch.float32, kernel=True, layer=1)
+    reference = reference_paged_attention(cache, 1, step[0], meta, 64 ** -0.5, torch.float32)
+    assert attn.path_counts == {"fused_decode": 1}
+    torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
 
 
 def test_without_a_compiler_decodes_on_sdpa_and_says_why(monkeypatch: pytest.MonkeyPatch,

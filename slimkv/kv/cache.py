@@ -201,11 +201,6 @@ class PagedKVCache:
         pool = group.pools[side]
         return QuantizedKV(pool.data[index], {name: t[index] for name, t in pool.aux.items()})
 
-    def layer_pool(self, side: str, layer: int) -> QuantizedKV:
-        """Views of one layer's tensors of side ``k`` or ``v`` (for native kernels)."""
-        pool = self._pools[side]
-        return QuantizedKV(pool.data[layer], {name: t[layer] for name, t in pool.aux.items()})
-
     def read(self, layer: int, block_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Dequantized K and V of the given blocks: ``[..., n] -> [..., n * block_size, H, D]``."""
         k, v = (self._read_side(side, layer, block_ids, dtype) for side in _SIDES)
