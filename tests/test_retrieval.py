@@ -86,6 +86,7 @@ def test_conversation_facts_are_in_turn_one_question_in_turn_n(tokenizer: Tokeni
         assert text.count("<|im_start|>user") == turns
         last_turn = text.rsplit("<|im_start|>user", 1)[1]
         assert kind.question in last_turn and probe.answer not in last_turn
+    assert len({tuple(p.prompt_ids[:p.document[1]]) for p in probes}) == 1
 
 
 def test_suites_prompts_fit(tokenizer: Tokenizer) -> None:

@@ -38,9 +38,9 @@ FACT_KINDS = (
     FactKind("cargo", "The main cargo of the ship was {}.", "What was the main cargo of the ship?",
              ("salted fish", "copper wire", "wool blankets", "green tea", "rope",
               "glass bottles")),
-    FactKind("password", "The secret password of the crew was {}.",
-             "What was the secret password of the crew?",
-             ("amber kettle", "copper lantern", "silent meadow", "paper tiger", "winter plum")),
+    FactKind("island", "The expedition was bound for the island of {}.",
+             "For which island was the expedition bound?",
+             ("Tarrow", "Ormsey", "Skerra", "Brannock", "Vellholm", "Lunday")),
 )
 _DOC = ("Read the document below carefully.\n\nSection 1. The expedition\n" + SLOT
         + "\n\nSection 2. Other notes\n" + SLOT + "\n\nQuestion about section 1: {}")
@@ -67,35 +67,37 @@ def _assemble(task: str, context: int, label: str, answer: str, pieces: list[lis
                  (start, len(ids)))
 
 
+def _budget(context: int, needle: list[int], frames: list[list[list[int]]]) -> int:
+    """Filler tokens that fit ``context`` with the longest question: every probe of one
+    document then shares the same text, read once and reused from the prefix cache."""
+    return context - MAX_NEW_TOKENS - len(needle) - max(sum(map(len, f)) for f in frames)
+
+
 def document_probes(tokenizer: Tokenizer, filler: Filler, context: int,
                     seed: int = 0) -> list[Probe]:
     """One document of about ``context`` tokens; one probe per fact of its first section."""
     facts, needle = _facts(tokenizer, seed)
-    probes = []
-    for kind, value in facts:
-        messages = [{"role": "user", "content": _DOC.format(kind.question)}]
-        pieces = frame(tokenizer, messages, kind.primer)
-        budget = context - MAX_NEW_TOKENS - len(needle) - sum(map(len, pieces))
-        text = flat(filler.take(budget, start=53 * seed))
-        probes.append(_assemble("head_recall", context, kind.name, value, pieces, needle, [text]))
-    return probes
+    frames = [frame(tokenizer, [{"role": "user", "content": _DOC.format(kind.question)}],
+                    kind.primer) for kind, _ in facts]
+    text = flat(filler.take(_budget(context, needle, frames), start=53 * seed))
+    return [_assemble("head_recall", context, kind.name, value, pieces, needle, [text])
+            for (kind, value), pieces in zip(facts, frames)]
 
 
 def conversation_probes(tokenizer: Tokenizer, filler: Filler, context: int, turns: int,
                         seed: int = 0) -> list[Probe]:
     """Facts in turn 1, passages to read in turns 2..N-1, the question in turn N."""
     facts, needle = _facts(tokenizer, seed)
-    probes = []
-    for kind, value in facts:
-        messages = [{"role": "user", "content": _FIRST_TURN},
-                    {"role": "assistant", "content": "I will remember these facts."}]
-        for _ in range(turns - 2):
-            messages += [{"role": "user", "content": "Please read this passage.\n\n" + SLOT},
-                         {"role": "assistant", "content": "I have read the passage."}]
-        messages.append({"role": "user", "content": _LAST_TURN.format(kind.question)})
-        pieces = frame(tokenizer, messages, kind.primer)
-        budget = context - MAX_NEW_TOKENS - len(needle) - sum(map(len, pieces))
-        passages = [flat(filler.take(budget // (turns - 2), start=53 * seed + 31 * t))
-                    for t in range(turns - 2)]
-        probes.append(_assemble("multi_turn", context, kind.name, value, pieces, needle, passages))
-    return probes
+    messages = [{"role": "user", "content": _FIRST_TURN},
+                {"role": "assistant", "content": "I will remember these facts."}]
+    for _ in range(turns - 2):
+        messages += [{"role": "user", "content": "Please read this passage.\n\n" + SLOT},
+                     {"role": "assistant", "content": "I have read the passage."}]
+    frames = [frame(tokenizer, [*messages, {"role": "user",
+                                            "content": _LAST_TURN.format(kind.question)}],
+                    kind.primer) for kind, _ in facts]
+    budget = _budget(context, needle, frames)
+    passages = [flat(filler.take(budget // (turns - 2), start=53 * seed + 31 * t))
+                for t in range(turns - 2)]
+    return [_assemble("multi_turn", context, kind.name, value, pieces, needle, passages)
+            for (kind, value), pieces in zip(facts, frames)]

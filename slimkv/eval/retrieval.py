@@ -9,8 +9,10 @@ from slimkv.eval.prompts import MAX_NEW_TOKENS, SLOT, Probe, encode, flat, frame
 from slimkv.model.tokenizer import Tokenizer
 
 _USER = ("A pass key is hidden in the text below. Find it and remember it.\n\n" + SLOT
-         + "\n\nWhat is the pass key? Answer with the number.")
-_PRIMER = "The pass key is"
+         + "\n\nWhat is the pass key hidden in the text? Answer with the number.")
+# Primed with "The pass key is", SmolLM2 explains what a pass key is (4K float32 KV: 1 key
+# in 5); naming the text it was hidden in makes it copy the key from there instead.
+_PRIMER = "The pass key hidden in the text is"
 
 
 def _cut(pieces: list[list[int]], depth: float) -> int:
