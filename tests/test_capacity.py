@@ -11,6 +11,7 @@ import torch
 from slimkv.bench.capacity_report import analyze
 from slimkv.cli import main
 from slimkv.config import Config
+from slimkv.engine import resolve_dtype
 from slimkv.kv.staging import Staging
 
 pytestmark = pytest.mark.slow
@@ -34,7 +35,8 @@ def test_short_capacity_sweep_writes_the_report(tmp_path):
     assert contiguous["kv_pool_bytes"] == result["budget_bytes"]  # sized for bf16 exactly
     int8_block = int8["kv_pool_bytes"] // int8["kv_blocks_total"]
     # the default int8 keys use per-block scales: the staging blocks share the budget
-    staging = Staging.bytes(30, 3, 64, kv.block_size, kv.max_concurrency_soft + 1, torch.float32)
+    model_dtype = resolve_dtype(Config.load().model.dtype, torch.device("cpu"))  # staging's
+    staging = Staging.bytes(30, 3, 64, kv.block_size, kv.max_concurrency_soft + 1, model_dtype)
     int8_total = int8["kv_pool_bytes"] + staging
     assert result["budget_bytes"] - int8_block < int8_total <= result["budget_bytes"]
     assert int8["kv_blocks_total"] > contiguous["kv_blocks_total"]

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 import slimkv.config
-import slimkv.kv.cache
+import slimkv.kv.layers
 from slimkv.config import Config
 from slimkv.eval.harness import SUITES, DtypeRun, EvalRun, run_eval
 from slimkv.eval.report import gate, metrics, regressions, text_table, to_json
@@ -35,7 +35,7 @@ def quick() -> Iterator[EvalRun]:
     int4 and the broken 2-bit dtype, registered for this module only."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(slimkv.config, "KV_DTYPES", (*slimkv.config.KV_DTYPES, BROKEN))
-        mp.setattr(slimkv.kv.cache, "make_codec", _make_codec)
+        mp.setattr(slimkv.kv.layers, "make_codec", _make_codec)
         config = Config.load().replace("model", device="cpu", dtype="float32")
         ev = run_eval(config, ["float32", "int8", "int4", BROKEN], SUITES["quick"],
                       progress=False)

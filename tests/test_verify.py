@@ -19,7 +19,8 @@ def test_verify_passes_for_every_dtype_on_cpu() -> None:
         assert r["ok"], r
         assert r["fallback_reason"] is None
         assert all(not layer["fallback"] and layer["match"] for layer in r["layers"])
-        assert all(layer["paths"].get("fast_prefill") and layer["paths"].get("fast_decode")
+        assert r["decode_kernel_unavailable"] is None  # decodes ran the fused kernel
+        assert all(layer["paths"].get("fast_prefill") and layer["paths"].get("fused_decode")
                    for layer in r["layers"])
     pools = {r["kv_dtype"]: {t["tensor"]: t["dtype"] for t in r["pool"]} for r in results}
     assert pools["int8"] == {"k_data": "int8", "k_scale": "float16",
