@@ -67,10 +67,10 @@ def test_document_facts_open_the_first_section(tokenizer: Tokenizer) -> None:
         _check_fits(probe)
         _check_needle(tokenizer, probe)
         head = tokenizer.decode(probe.prompt_ids[:probe.needle[0]])
-        assert head.endswith("Section 1. The expedition\n")
+        assert head.endswith("Section 1. The expedition (remember these facts)\n")
         assert probe.depth == 0
         tail = tokenizer.decode(probe.prompt_ids[probe.document[1]:])
-        assert kind.question in tail and tail.endswith(kind.primer)
+        assert kind.question in tail and tail.endswith("According to section 1, " + kind.primer)
     assert len({tuple(p.prompt_ids[:p.document[1]]) for p in probes}) == 1
 
 

@@ -20,8 +20,10 @@ class FactKind:
 
     @property
     def primer(self) -> str:
-        """The statement up to the value: the answer is the next thing to say."""
-        return self.statement.split("{}")[0].rstrip()
+        """The statement up to the value, lower-cased to follow a lead such as "According
+        to section 1, ": the answer is the next thing to say."""
+        head = self.statement.split("{}")[0].rstrip()
+        return head[0].lower() + head[1:]
 
 
 FACT_KINDS = (
@@ -42,18 +44,24 @@ FACT_KINDS = (
              "For which island was the expedition bound?",
              ("Tarrow", "Ormsey", "Skerra", "Brannock", "Vellholm", "Lunday")),
 )
-_DOC = ("Read the document below carefully.\n\nSection 1. The expedition\n" + SLOT
-        + "\n\nSection 2. Other notes\n" + SLOT + "\n\nQuestion about section 1: {}")
+_DOC = ("Read the document below carefully. Its first section holds facts you will be asked "
+        "about.\n\nSection 1. The expedition (remember these facts)\n" + SLOT
+        + "\n\nSection 2. Other notes\n" + SLOT + "\n\nQuestion about the facts in section 1: {}")
+_DOC_LEAD = "According to section 1, "
 _FIRST_TURN = "Here are some facts about an expedition. Please remember them.\n\n" + SLOT
 _LAST_TURN = "About the facts in my first message: {}"
+_TURN_LEAD = "According to your first message, "
 
 
 def _facts(tokenizer: Tokenizer, seed: int) -> tuple[list[tuple[FactKind, str]], list[int]]:
-    """A random value for every fact kind, and the ids of the statements of all of them."""
+    """A random value for every fact kind, and the ids of the statements of all of them,
+    said twice: SmolLM2-135M recalls a fact stated once only from short documents (float32
+    KV, 4K document: 2 of 5 facts stated once, 4 of 5 stated twice with the lead primers;
+    docs/accuracy.md)."""
     rng = random.Random(seed)
     facts = [(kind, rng.choice(kind.values)) for kind in FACT_KINDS]
     text = " ".join(kind.statement.format(value) for kind, value in facts)
-    return facts, encode(tokenizer, text)
+    return facts, encode(tokenizer, f"{text} To repeat: {text}")
 
 
 def _assemble(task: str, context: int, label: str, answer: str, pieces: list[list[int]],
@@ -78,7 +86,7 @@ def document_probes(tokenizer: Tokenizer, filler: Filler, context: int,
     """One document of about ``context`` tokens; one probe per fact of its first section."""
     facts, needle = _facts(tokenizer, seed)
     frames = [frame(tokenizer, [{"role": "user", "content": _DOC.format(kind.question)}],
-                    kind.primer) for kind, _ in facts]
+                    _DOC_LEAD + kind.primer) for kind, _ in facts]
     text = flat(filler.take(_budget(context, needle, frames), start=53 * seed))
     return [_assemble("head_recall", context, kind.name, value, pieces, needle, [text])
             for (kind, value), pieces in zip(facts, frames)]
@@ -95,7 +103,7 @@ def conversation_probes(tokenizer: Tokenizer, filler: Filler, context: int, turn
                      {"role": "assistant", "content": "I have read the passage."}]
     frames = [frame(tokenizer, [*messages, {"role": "user",
                                             "content": _LAST_TURN.format(kind.question)}],
-                    kind.primer) for kind, _ in facts]
+                    _TURN_LEAD + kind.primer) for kind, _ in facts]
     budget = _budget(context, needle, frames)
     passages = [flat(filler.take(budget // (turns - 2), start=53 * seed + 31 * t))
                 for t in range(turns - 2)]
