@@ -55,8 +55,11 @@ def test_loadtest_counts_match_the_server(server):
     assert all(r.completion_tokens == SMALL.max_tokens for r in completed)
     assert all(r.prompt_tokens and r.ttft is not None for r in completed)
     server.wait_for_metric("slimkv:num_requests_running", 0)
-    after = server.metric("slimkv:request_success_total", finished_reason="length")
-    assert after - before == len(completed)
+    finished = server.metric("slimkv:request_success_total", finished_reason="length") - before
+    # A request the client cancels at the end of the run may already have produced its last
+    # token on the server, which then counts it as finished: the only race between the two.
+    cancelled = summary["requests_cancelled_at_end"]
+    assert len(completed) <= finished <= len(completed) + cancelled
     for key, qs in (("ttft_s", (50, 90, 99)), ("itl_s", (50, 99)), ("e2e_s", (50, 90, 99))):
         assert all(summary[key][f"p{q}"] is not None for q in qs), key
     assert summary["output_tokens_per_s"] > 0
