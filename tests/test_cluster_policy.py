@@ -1,0 +1,151 @@
+"""The routing policy as a pure function: no Ray, no model."""
+
+from collections import Counter
+
+import pytest
+
+from slimkv.cluster.hashing import routing_hashes
+from slimkv.cluster.policy import (Balance, PrefixIndex, ReplicaLoad, RouteKeys,
+                                   rendezvous_score, route)
+from slimkv.kv.block_pool import hash_block
+
+REPLICAS = [f"r{i}" for i in range(4)]
+
+
+def loads(names, **requests):
+    return [ReplicaLoad(n, requests.get(n, 0)) for n in names]
+
+
+def session_homes(names, sessions, index=None):
+    index = index or PrefixIndex()
+    return {s: route(RouteKeys(s), loads(names), index).replica for s in sessions}
+
+
+def test_routing_hashes_are_the_engines_chained_block_hashes():
+    ids = list(range(100))
+    hashes = routing_hashes(ids, 16, max_blocks=4)
+    assert len(hashes) == 4  # 6 full blocks, capped at 4; the partial block is never hashed
+    parent = None
+    for i, h in enumerate(hashes):
+        parent = hash_block(parent, ids[16 * i:16 * (i + 1)])
+        assert h == hash(parent)
+    assert routing_hashes(ids[:15], 16) == ()
+    changed = routing_hashes([7] + ids[1:], 16, max_blocks=4)
+    assert all(a != b for a, b in zip(hashes, changed))  # chained: an early change moves all
+
+
+def test_sessions_spread_over_replicas_and_stick():
+    sessions = [f"sess-{i}" for i in range(400)]
+    homes = session_homes(REPLICAS, sessions)
+    counts = Counter(homes.values())
+    assert set(counts) == set(REPLICAS)
+    assert min(counts.values()) > 400 / 4 * 0.7  # rendezvous hashing spreads evenly
+    assert session_homes(REPLICAS, sessions) == homes  # deterministic
+
+
+def test_removing_a_replica_moves_only_its_sessions():
+    sessions = [f"sess-{i}" for i in range(400)]
+    before = session_homes(REPLICAS, sessions)
+    after = session_homes(REPLICAS[:3], sessions)
+    moved = {s for s in sessions if before[s] != after[s]}
+    assert moved == {s for s in sessions if before[s] == "r3"}
+
+
+def test_adding_a_replica_moves_about_one_nth_and_only_to_the_new_one():
+    sessions = [f"sess-{i}" for i in range(400)]
+    before = session_homes(REPLICAS, sessions)
+    after = session_homes(REPLICAS + ["r4"], sessions)
+    moved = [s for s in sessions if before[s] != after[s]]
+    assert all(after[s] == "r4" for s in moved)
+    assert 400 / 5 * 0.6 < len(moved) < 400 / 5 * 1.4
+
+
+def test_cached_prefix_keeps_a_session_when_a_replica_is_added():
+    index = PrefixIndex()
+    sessions = [f"sess-{i}" for i in range(100)]
+    prompts = {s: (hash(s), hash(s) + 1) for s in sessions}
+    for s in sessions:
+        d = route(RouteKeys(s, prompts[s]), loads(REPLICAS), index)
+        index.record(d.replica, prompts[s])
+    before = {s: route(RouteKeys(s, prompts[s]), loads(REPLICAS), index).replica for s in sessions}
+    after = {s: route(RouteKeys(s, prompts[s]), loads(REPLICAS + ["new"]), index)
+             for s in sessions}
+    assert {s: d.replica for s, d in after.items()} == before
+    assert all(d.reason == "prefix" and d.matched_blocks == 2 for d in after.values())
+
+
+def test_prefix_affinity_without_session_picks_the_longest_cached_run():
+    index = PrefixIndex()
+    index.record("r1", ("a", "b"))
+    index.record("r2", ("a", "b", "c"))
+    index.record("r3", ("x", "b", "c", "d"))  # same later hashes, different first: no match
+    d = route(RouteKeys(None, ("a", "b", "c", "d")), loads(REPLICAS), index)
+    assert (d.replica, d.reason, d.matched_blocks) == ("r2", "prefix", 3)
+    assert index.match("r3", ("a", "b", "c", "d")) == 0
+
+
+def test_new_prompts_without_session_spread_by_their_deepest_block():
+    index = PrefixIndex()
+    index.record("r0", ("system",))  # a shared system prompt cached on one replica only
+    counts = Counter()
+    for i in range(200):
+        keys = RouteKeys(None, ("system", f"doc-{i}"))
+        counts[route(keys, loads(REPLICAS), index).replica] += 1
+    assert counts["r0"] == 200  # one matching block outranks no match ...
+    index.record("r1", ("system",))
+    index.record("r2", ("system",))
+    index.record("r3", ("system",))
+    counts = Counter(route(RouteKeys(None, ("system", f"doc-{i}")), loads(REPLICAS), index).replica
+                     for i in range(200))
+    assert min(counts.values()) > 25  # ... and equal matches spread by hash, not pile up
+
+
+def test_request_without_keys_goes_to_the_least_loaded():
+    d = route(RouteKeys(), loads(REPLICAS, r0=5, r1=2, r2=9, r3=3), PrefixIndex())
+    assert d.replica == "r1" and d.reason == "any"
+    assert d.ranked == ("r1", "r3", "r0", "r2")
+
+
+@pytest.mark.parametrize("home_load, least_load, yields", [
+    (12, 0, False),   # 12 more: not over the absolute threshold
+    (13, 0, True),    # 13 more, and 13 > 1.5 * 0
+    (40, 27, False),  # 13 more, but 40 < 1.5 * 27 = 40.5
+    (41, 27, True),
+])
+def test_affinity_yields_to_load_past_both_thresholds(home_load, least_load, yields):
+    index = PrefixIndex()
+    home = route(RouteKeys("s"), loads(["a", "b"]), index).replica
+    other = "b" if home == "a" else "a"
+    d = route(RouteKeys("s"), [ReplicaLoad(home, home_load), ReplicaLoad(other, least_load)],
+              index, Balance(abs_requests=12, rel=1.5))
+    assert d.replica == (other if yields else home)
+    assert d.reason == ("load" if yields else "hash")
+
+
+def test_kv_pressure_moves_work_to_a_replica_below_the_watermark():
+    index = PrefixIndex()
+    index.record("r0", ("a",))
+    replicas = [ReplicaLoad("r0", 3, 0.72, True), ReplicaLoad("r1", 3, 0.2)]
+    d = route(RouteKeys("s", ("a",)), replicas, index)
+    assert (d.replica, d.reason) == ("r1", "kv")
+    replicas = [ReplicaLoad("r0", 3, 0.72, True), ReplicaLoad("r1", 3, 0.71, True)]
+    assert route(RouteKeys("s", ("a",)), replicas, index).replica == "r0"  # nowhere better
+
+
+def test_prefix_index_is_bounded_lru_and_forgets_dead_replicas():
+    index = PrefixIndex(capacity=3)
+    index.record("r0", ("a", "b", "c"))
+    index.record("r0", ("a", "d"))  # "a" refreshed, "b" is now the oldest and goes
+    assert index.num_blocks("r0") == 3
+    assert index.match("r0", ("a", "b")) == 1 and index.match("r0", ("a", "d")) == 2
+    index.drop("r0")
+    assert index.match("r0", ("a",)) == 0 and index.replicas() == []
+
+
+def test_rendezvous_score_is_stable_and_balance_is_validated():
+    assert rendezvous_score("k", "r") == rendezvous_score("k", "r")
+    assert rendezvous_score("k", "r") != rendezvous_score("k", "q")
+    with pytest.raises(ValueError):
+        Balance(rel=0.5)
+    with pytest.raises(ValueError):
+        route(RouteKeys("s"), [], PrefixIndex())
