@@ -30,6 +30,7 @@ V_SCALES = ("per_token", "group32")
 DEFAULT_K_SCALE = "per_channel_block"
 EVICT_POLICIES = ("lru_block", "fifo")
 SCHEDULER_POLICIES = ("weighted", "fcfs")
+ROUTERS = ("slimkv", "pow2")  # cluster.router: ours, or Ray Serve's power of two choices
 DEFAULT_CONFIG_PATH = Path(__file__).parent / "configs" / "default.yaml"
 
 
@@ -210,12 +211,51 @@ class CanaryConfig:
                "canary.max_pending", "must be a positive integer")
 
 
+@dataclass(slots=True)
+class ClusterConfig:
+    """``replicas`` > 1: engine replicas on Ray Serve behind one endpoint (slimkv/cluster/).
+    ``ray_address`` None starts a local Ray cluster with ``num_cpus`` (None: all cores) and
+    ``object_store_mb`` of shared memory; otherwise joins that cluster. ``router``, the
+    routing blocks and the ``balance_*`` thresholds: slimkv/cluster/policy.py."""
+
+    replicas: int = 1
+    ray_address: str | None = None
+    num_cpus: int | None = None
+    object_store_mb: int = 256
+    replica_num_cpus: float = 1.0
+    max_ongoing_requests: int = 256   # Ray's default of 5 would starve continuous batching
+    router: str = "slimkv"
+    routing_blocks: int = 32
+    balance_abs_requests: int = 12
+    balance_rel: float = 1.5
+    stats_period_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        for key in ("replicas", "object_store_mb", "max_ongoing_requests", "routing_blocks"):
+            value = getattr(self, key)
+            _check(isinstance(value, int) and value > 0, f"cluster.{key}",
+                   f"must be a positive integer, got {value!r}")
+        if self.num_cpus is not None:
+            _check(isinstance(self.num_cpus, int) and self.num_cpus > 0, "cluster.num_cpus",
+                   "must be a positive integer")
+        _check(isinstance(self.replica_num_cpus, (int, float)) and self.replica_num_cpus >= 0,
+               "cluster.replica_num_cpus", "must be a non-negative number")
+        _check_choice(self.router, ROUTERS, "cluster.router")
+        _check(isinstance(self.balance_abs_requests, int) and self.balance_abs_requests >= 0,
+               "cluster.balance_abs_requests", "must be a non-negative integer")
+        _check(isinstance(self.balance_rel, (int, float)) and self.balance_rel >= 1,
+               "cluster.balance_rel", "must be a number >= 1")
+        _check(isinstance(self.stats_period_s, (int, float)) and self.stats_period_s > 0,
+               "cluster.stats_period_s", "must be a positive number of seconds")
+
+
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "kv_cache": KVCacheConfig,
     "scheduler": SchedulerConfig,
     "server": ServerConfig,
     "canary": CanaryConfig,
+    "cluster": ClusterConfig,
 }
 
 
@@ -226,6 +266,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     canary: CanaryConfig = field(default_factory=CanaryConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> Config:

@@ -7,9 +7,11 @@ import pytest
 from slimkv.cluster.hashing import routing_hashes
 from slimkv.cluster.policy import (Balance, PrefixIndex, ReplicaLoad, RouteKeys,
                                    rendezvous_score, route)
+from slimkv.config import ClusterConfig
 from slimkv.kv.block_pool import hash_block
 
 REPLICAS = [f"r{i}" for i in range(4)]
+BALANCE = Balance.from_config(ClusterConfig())  # 12 requests, 1.5x: the defaults
 
 
 def loads(names, **requests):
@@ -18,7 +20,7 @@ def loads(names, **requests):
 
 def session_homes(names, sessions, index=None):
     index = index or PrefixIndex()
-    return {s: route(RouteKeys(s), loads(names), index).replica for s in sessions}
+    return {s: route(RouteKeys(s), loads(names), index, BALANCE).replica for s in sessions}
 
 
 def test_routing_hashes_are_the_engines_chained_block_hashes():
@@ -29,7 +31,7 @@ def test_routing_hashes_are_the_engines_chained_block_hashes():
     for i, h in enumerate(hashes):
         parent = hash_block(parent, ids[16 * i:16 * (i + 1)])
         assert h == hash(parent)
-    assert routing_hashes(ids[:15], 16) == ()
+    assert routing_hashes(ids[:15], 16, max_blocks=4) == ()
     changed = routing_hashes([7] + ids[1:], 16, max_blocks=4)
     assert all(a != b for a, b in zip(hashes, changed))  # chained: an early change moves all
 
@@ -60,18 +62,17 @@ def test_adding_a_replica_moves_about_one_nth_and_only_to_the_new_one():
     assert 400 / 5 * 0.6 < len(moved) < 400 / 5 * 1.4
 
 
-def test_cached_prefix_keeps_a_session_when_a_replica_is_added():
+def test_a_session_follows_its_home_not_shared_content():
     index = PrefixIndex()
-    sessions = [f"sess-{i}" for i in range(100)]
-    prompts = {s: (hash(s), hash(s) + 1) for s in sessions}
-    for s in sessions:
-        d = route(RouteKeys(s, prompts[s]), loads(REPLICAS), index)
-        index.record(d.replica, prompts[s])
-    before = {s: route(RouteKeys(s, prompts[s]), loads(REPLICAS), index).replica for s in sessions}
-    after = {s: route(RouteKeys(s, prompts[s]), loads(REPLICAS + ["new"]), index)
-             for s in sessions}
-    assert {s: d.replica for s, d in after.items()} == before
-    assert all(d.reason == "prefix" and d.matched_blocks == 2 for d in after.values())
+    index.record("r0", ("doc", "more"))  # every session opens with the same document
+    homes = {s: route(RouteKeys(s, ("doc", "more")), loads(REPLICAS), index, BALANCE)
+             for s in (f"sess-{i}" for i in range(100))}
+    assert len({d.replica for d in homes.values()}) == 4
+    assert all(d.reason == "session" for d in homes.values())
+    turn2 = {s: route(RouteKeys(s, ("doc", "more", "turn2")), loads(REPLICAS), index, BALANCE)
+             for s in homes}
+    assert {s: d.replica for s, d in turn2.items()} == {s: d.replica for s, d in homes.items()}
+    assert {s: d.replica for s, d in homes.items()} == session_homes(REPLICAS, list(homes))
 
 
 def test_prefix_affinity_without_session_picks_the_longest_cached_run():
@@ -79,7 +80,7 @@ def test_prefix_affinity_without_session_picks_the_longest_cached_run():
     index.record("r1", ("a", "b"))
     index.record("r2", ("a", "b", "c"))
     index.record("r3", ("x", "b", "c", "d"))  # same later hashes, different first: no match
-    d = route(RouteKeys(None, ("a", "b", "c", "d")), loads(REPLICAS), index)
+    d = route(RouteKeys(None, ("a", "b", "c", "d")), loads(REPLICAS), index, BALANCE)
     assert (d.replica, d.reason, d.matched_blocks) == ("r2", "prefix", 3)
     assert index.match("r3", ("a", "b", "c", "d")) == 0
 
@@ -90,18 +91,19 @@ def test_new_prompts_without_session_spread_by_their_deepest_block():
     counts = Counter()
     for i in range(200):
         keys = RouteKeys(None, ("system", f"doc-{i}"))
-        counts[route(keys, loads(REPLICAS), index).replica] += 1
+        counts[route(keys, loads(REPLICAS), index, BALANCE).replica] += 1
     assert counts["r0"] == 200  # one matching block outranks no match ...
     index.record("r1", ("system",))
     index.record("r2", ("system",))
     index.record("r3", ("system",))
-    counts = Counter(route(RouteKeys(None, ("system", f"doc-{i}")), loads(REPLICAS), index).replica
-                     for i in range(200))
+    counts = Counter(route(RouteKeys(None, ("system", f"doc-{i}")), loads(REPLICAS), index,
+                           BALANCE).replica for i in range(200))
     assert min(counts.values()) > 25  # ... and equal matches spread by hash, not pile up
 
 
 def test_request_without_keys_goes_to_the_least_loaded():
-    d = route(RouteKeys(), loads(REPLICAS, r0=5, r1=2, r2=9, r3=3), PrefixIndex())
+    d = route(RouteKeys(), loads(REPLICAS, r0=5, r1=2, r2=9, r3=3), PrefixIndex(),
+              BALANCE)
     assert d.replica == "r1" and d.reason == "any"
     assert d.ranked == ("r1", "r3", "r0", "r2")
 
@@ -114,22 +116,22 @@ def test_request_without_keys_goes_to_the_least_loaded():
 ])
 def test_affinity_yields_to_load_past_both_thresholds(home_load, least_load, yields):
     index = PrefixIndex()
-    home = route(RouteKeys("s"), loads(["a", "b"]), index).replica
+    home = route(RouteKeys("s"), loads(["a", "b"]), index, BALANCE).replica
     other = "b" if home == "a" else "a"
     d = route(RouteKeys("s"), [ReplicaLoad(home, home_load), ReplicaLoad(other, least_load)],
               index, Balance(abs_requests=12, rel=1.5))
     assert d.replica == (other if yields else home)
-    assert d.reason == ("load" if yields else "hash")
+    assert d.reason == ("load" if yields else "session")
 
 
 def test_kv_pressure_moves_work_to_a_replica_below_the_watermark():
     index = PrefixIndex()
     index.record("r0", ("a",))
     replicas = [ReplicaLoad("r0", 3, 0.72, True), ReplicaLoad("r1", 3, 0.2)]
-    d = route(RouteKeys("s", ("a",)), replicas, index)
+    d = route(RouteKeys("s", ("a",)), replicas, index, BALANCE)
     assert (d.replica, d.reason) == ("r1", "kv")
     replicas = [ReplicaLoad("r0", 3, 0.72, True), ReplicaLoad("r1", 3, 0.71, True)]
-    assert route(RouteKeys("s", ("a",)), replicas, index).replica == "r0"  # nowhere better
+    assert route(RouteKeys("s", ("a",)), replicas, index, BALANCE).replica == "r0"  # no better
 
 
 def test_prefix_index_is_bounded_lru_and_forgets_dead_replicas():
@@ -146,6 +148,6 @@ def test_rendezvous_score_is_stable_and_balance_is_validated():
     assert rendezvous_score("k", "r") == rendezvous_score("k", "r")
     assert rendezvous_score("k", "r") != rendezvous_score("k", "q")
     with pytest.raises(ValueError):
-        Balance(rel=0.5)
+        Balance(abs_requests=12, rel=0.5)
     with pytest.raises(ValueError):
-        route(RouteKeys("s"), [], PrefixIndex())
+        route(RouteKeys("s"), [], PrefixIndex(), BALANCE)

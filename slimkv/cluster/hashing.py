@@ -11,13 +11,11 @@ from collections.abc import Sequence
 
 from slimkv.kv.block_pool import hash_block
 
-DEFAULT_ROUTING_BLOCKS = 32  # 512 tokens at block_size 16: enough to tell documents apart
-
-
 def routing_hashes(token_ids: Sequence[int], block_size: int,
-                   max_blocks: int = DEFAULT_ROUTING_BLOCKS) -> tuple[int, ...]:
-    """One int per full block of the prompt's first ``max_blocks`` blocks, chained: the
-    i-th value depends on every token before the end of block i."""
+                   max_blocks: int) -> tuple[int, ...]:
+    """One int per full block of the prompt's first ``max_blocks`` blocks
+    (``cluster.routing_blocks``), chained: the i-th value depends on every token before the
+    end of block i."""
     out: list[int] = []
     parent = None
     for start in range(0, min(len(token_ids) // block_size, max_blocks) * block_size, block_size):

@@ -1,24 +1,26 @@
 """Which replica serves a request: a pure function of the request's routing keys, each
 replica's load and an approximate map of what each replica's prefix cache holds.
 
-No Ray here. The Ray Serve router (``slimkv/cluster/router.py``) and the multi-replica
+No Ray here (only the config dataclass, for the defaults). The Ray Serve router (``slimkv/cluster/router.py``) and the multi-replica
 simulator call :func:`route` the same way: build :class:`RouteKeys` for the request, a
 :class:`ReplicaLoad` per live replica, keep one :class:`PrefixIndex`, then
-``decision = route(keys, loads, index)`` and ``index.record(decision.replica, keys.block_hashes)``.
+``decision = route(keys, loads, index, Balance.from_config(ClusterConfig()))`` and ``index.record(decision.replica, keys.block_hashes)``.
 
 The rule:
 
-1. **Affinity.** Replicas are ranked by how many of the prompt's first blocks they are
-   believed to hold (the longest run of leading chained block hashes recorded for them),
-   then by rendezvous (highest-random-weight) hashing of the session id, or, without one,
-   of the deepest routed block. A session's turns therefore keep landing where its history
-   is cached; a new session goes to its hash home; when a replica is removed only the
-   sessions that lived on it move, and when one is added only new sessions (and those
-   with nothing cached anywhere) can land on it.
+1. **Affinity.** A request with a session id goes to its session's home, chosen by
+   rendezvous (highest-random-weight) hashing of the id over the live replicas: every
+   turn lands where the session's history is cached, removing a replica moves only the
+   sessions that lived on it, and adding one moves about 1/N of them (to the new one). A
+   request without a session goes to the replica believed to hold the longest run of its
+   prompt's leading blocks (the chained block hashes recorded for earlier requests routed
+   there), ties (no match anywhere, or a shared system prompt cached everywhere) broken by
+   rendezvous hashing of its deepest routed block, so different documents spread out.
 2. **Load.** The affine choice yields to the least-loaded replica when it is overloaded:
    ``load - least > balance.abs_requests and load > balance.rel * least`` (SGLang's
    cache-aware router has the same shape with 64 and 1.5), or when its KV usage is over
-   the watermark (admission paused) while another replica's is not.
+   the watermark (admission paused) while another replica's is not. A session that
+   yielded goes home again on its next turn once the imbalance is gone.
 
 Thresholds (:class:`Balance`): SGLang's absolute 64 is sized for GPU replicas that run
 hundreds of sequences at once, a quarter of a 256-request batch or less. A slimkv replica
@@ -35,6 +37,8 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
+from slimkv.config import ClusterConfig
+
 DEFAULT_PREFIX_CAPACITY = 65536  # blocks remembered per replica when its pool size is unknown
 
 
@@ -45,13 +49,6 @@ class RouteKeys:
 
     session_id: str | None = None
     block_hashes: tuple[Hashable, ...] = ()
-
-    @property
-    def hash_key(self) -> str | None:
-        if self.session_id is not None:
-            return f"s:{self.session_id}"
-        return f"b:{self.block_hashes[-1]}" if self.block_hashes else None
-
 
 @dataclass(frozen=True, slots=True)
 class ReplicaLoad:
@@ -68,8 +65,12 @@ class ReplicaLoad:
 class Balance:
     """When affinity yields to load (see the module docstring for the choice)."""
 
-    abs_requests: int = 12
-    rel: float = 1.5
+    abs_requests: int
+    rel: float
+
+    @classmethod
+    def from_config(cls, cluster: ClusterConfig) -> Balance:
+        return cls(cluster.balance_abs_requests, cluster.balance_rel)
 
     def __post_init__(self) -> None:
         if self.abs_requests < 0 or self.rel < 1:
@@ -82,8 +83,9 @@ class Balance:
 @dataclass(frozen=True, slots=True)
 class Decision:
     """The chosen replica first, then the others as fallbacks (least loaded first).
-    ``reason``: ``prefix`` (cached blocks decided), ``hash`` (session or block hash),
-    ``load`` (yielded to load), ``kv`` (yielded to KV pressure), ``any`` (no key)."""
+    ``reason``: ``session`` (the session's home), ``prefix`` (cached blocks decided),
+    ``hash`` (no cached blocks: the deepest block's home), ``load`` (yielded to load),
+    ``kv`` (yielded to KV pressure), ``any`` (no key: the least loaded)."""
 
     ranked: tuple[str, ...]
     reason: str
@@ -141,21 +143,25 @@ def rendezvous_score(key: str, replica: str) -> int:
 
 
 def route(keys: RouteKeys, replicas: Sequence[ReplicaLoad], index: PrefixIndex,
-          balance: Balance = Balance()) -> Decision:
+          balance: Balance) -> Decision:
     """Choose a replica for one request (see the module docstring)."""
     if not replicas:
         raise ValueError("route: no replica to choose from")
     matched = {r.replica: index.match(r.replica, keys.block_hashes) for r in replicas}
-    key = keys.hash_key
     by_load = sorted(replicas, key=lambda r: (r.watermark_alert, r.num_requests, r.kv_usage,
                                               r.replica))
-    if key is None:
-        chosen, reason = by_load[0], "any"
-    else:
+    if keys.session_id is not None:
+        key = f"s:{keys.session_id}"
+        chosen = max(replicas, key=lambda r: rendezvous_score(key, r.replica))
+        reason = "session"
+    elif keys.block_hashes:
+        key = f"b:{keys.block_hashes[-1]}"
         chosen = max(replicas, key=lambda r: (matched[r.replica],
                                               rendezvous_score(key, r.replica)))
         reason = "prefix" if matched[chosen.replica] else "hash"
-        chosen, reason = _yield_to_load(chosen, reason, by_load, balance)
+    else:
+        chosen, reason = by_load[0], "any"
+    chosen, reason = _yield_to_load(chosen, reason, by_load, balance)
     rest = tuple(r.replica for r in by_load if r.replica != chosen.replica)
     return Decision((chosen.replica, *rest), reason, matched[chosen.replica])
 

@@ -42,6 +42,14 @@ def load_model(path: str | None, dtype: torch.dtype,
     return _load_cached(os.path.realpath(path), dtype, torch.device(device))
 
 
+def load_tokenizer(path: str | None) -> Tokenizer:
+    """The model's tokenizer without its weights (a cluster's ingress tokenizes to route)."""
+    path = default_model_path() if path is None else path
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path not found: {path}")
+    return _load_tokenizer(os.path.realpath(path))
+
+
 def read_model_args(path: str | None) -> ModelArgs:
     """The model's shapes from its metadata alone, without loading the weights."""
     path = default_model_path() if path is None else path

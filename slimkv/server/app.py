@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 from slimkv.config import Config, ServerConfig
 from slimkv.engine import LLMEngine
 from slimkv.server.async_engine import AsyncEngine, GenerateRequest
+from slimkv.server.backend import REPLICA_HEADER, Backend
 from slimkv.server.canary import Canary
 from slimkv.server.dashboard import install_dashboard
 from slimkv.server.errors import APIError, install_error_handlers, validation_error
@@ -71,10 +72,11 @@ def bearer_auth(api_key: str | None):
     return check
 
 
-def create_app(engine: AsyncEngine, server: ServerConfig) -> FastAPI:
-    """The app starts the engine thread on startup and stops it on shutdown."""
-    model_name = engine.engine.model_name
-    max_model_len = engine.engine.max_model_len
+def create_app(engine: Backend, server: ServerConfig) -> FastAPI:
+    """The app starts the backend (one engine's thread, or a cluster's client) on startup
+    and stops it on shutdown."""
+    model_name = engine.model_name
+    max_model_len = engine.max_model_len
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -96,7 +98,10 @@ def create_app(engine: AsyncEngine, server: ServerConfig) -> FastAPI:
             fmt.request_id, prompt, isinstance(body, ChatCompletionRequest),
             lambda n: body.sampling_params(max(1, min(DEFAULT_MAX_TOKENS, max_model_len - n))),
             session_id=body.session_id or http.headers.get("x-session-id") or None)
-        return await respond(engine.generate(request), body, fmt, http)
+        response = await respond(engine.generate(request), body, fmt, http)
+        if request.replica is not None:
+            response.headers[REPLICA_HEADER] = request.replica
+        return response
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -120,7 +125,7 @@ def create_app(engine: AsyncEngine, server: ServerConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(engine.metrics.exposition(), media_type=CONTENT_TYPE)
+        return Response(await engine.exposition(), media_type=CONTENT_TYPE)
 
     install_dashboard(app, v1, engine, server.api_key)
     app.include_router(v1)

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from slimkv.engine import LLMEngine, RequestError
 from slimkv.outputs import RequestOutput
 from slimkv.sampling import SamplingParams
+from slimkv.server.cache_state import CacheHistory
 from slimkv.server.canary import Canary
 from slimkv.server.errors import APIError, ServerBusy
 from slimkv.server.metrics import ServerMetrics
@@ -48,6 +49,7 @@ class GenerateRequest:
     chat: bool
     make_params: Callable[[int], SamplingParams]
     session_id: str | None = None
+    replica: str | None = None                 # the cluster replica serving it (a header)
     prompt_ids: list[int] | None = None        # set on the engine thread when admitted
     params: SamplingParams | None = None
     loop: asyncio.AbstractEventLoop | None = None  # set by AsyncEngine.generate
@@ -75,7 +77,17 @@ class AsyncEngine:
         self._streams: dict[str, GenerateRequest] = {}  # owned by the engine thread
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="slimkv-engine", daemon=True)
+        self.history = CacheHistory()  # the dashboard's recent events
+        self.step_hooks.append(self.history)
         metrics.describe_engine(engine)
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
 
     # -- the HTTP side -------------------------------------------------------------------
 
@@ -117,6 +129,14 @@ class AsyncEngine:
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         self._post(lambda: self._calls.append((fn, future)))
         return await future
+
+    async def cache_state(self, blocks: bool = True) -> dict[str, Any]:
+        """The ``/v1/cache/state`` snapshot, built on the engine thread between two steps."""
+        return await self.call(lambda e: self.history.snapshot(e, with_blocks=blocks))
+
+    async def exposition(self) -> bytes:
+        """The Prometheus text of this engine's metrics."""
+        return self.metrics.exposition()
 
     def _post(self, change: Callable[[], None]) -> None:
         with self._cond:

@@ -2,9 +2,9 @@
 
 The page (``slimkv/static/dashboard.{html,css,js}``, no build step, nothing fetched from
 elsewhere) polls ``GET /dashboard/state`` once a second; that is ``GET /v1/cache/state``
-under the dashboard's authentication. Each poll posts one snapshot to the engine thread
-(:meth:`AsyncEngine.call`), which builds it between two steps, so no handler reads engine
-state that the engine is changing.
+under the dashboard's authentication. Each poll asks the backend for a snapshot: one engine
+builds it on its engine thread between two steps (``AsyncEngine.cache_state``), so no
+handler reads engine state that the engine is changing; a cluster asks every replica.
 
 With ``--api-key`` set, the API (``/v1/cache/state`` included) wants ``Authorization:
 Bearer <key>``. A browser cannot send that on navigation, so the dashboard routes also take
@@ -24,8 +24,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import HTMLResponse
 
-from slimkv.server.async_engine import AsyncEngine
-from slimkv.server.cache_state import CacheHistory
+from slimkv.server.backend import Backend
 from slimkv.server.errors import APIError
 
 ASSETS = {"dashboard.css": "text/css; charset=utf-8",
@@ -64,15 +63,12 @@ def static_text(name: str) -> str:
     return resources.files("slimkv").joinpath("static", name).read_text(encoding="utf-8")
 
 
-def install_dashboard(app: FastAPI, v1: APIRouter, engine: AsyncEngine,
+def install_dashboard(app: FastAPI, v1: APIRouter, backend: Backend,
                       api_key: str | None) -> None:
     """Register the routes; ``v1`` is the API router (with its Bearer check), which the
     caller includes in the app after this."""
-    history = CacheHistory()
-    engine.step_hooks.append(history)
-
     async def state(blocks: bool = True) -> dict[str, Any]:
-        return await engine.call(lambda e: history.snapshot(e, with_blocks=blocks))
+        return await backend.cache_state(blocks)
 
     v1.get("/cache/state", summary="KV cache state (schema: README, Dashboard)")(state)
     page = APIRouter(prefix="/dashboard")

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Send
 
 from slimkv.outputs import RequestOutput
+from slimkv.server.errors import APIError
 from slimkv.server.protocol import (SamplingRequest, chat_choice, completion_choice,
                                     response_envelope, usage)
 
@@ -120,6 +121,8 @@ async def _next_while_connected(outputs: AsyncIterator[RequestOutput],
 
 async def _events(first: RequestOutput, outputs: AsyncIterator[RequestOutput],
                   fmt: ResponseFormat, include_usage: bool) -> AsyncIterator[str]:
+    """The chunks, then ``[DONE]``. A failure after the status was sent (an engine error,
+    a cluster replica that died) ends the stream with an ``{"error": {...}}`` event."""
     try:
         yield _sse(fmt.chunk(first, first=True))
         last = first
@@ -127,9 +130,11 @@ async def _events(first: RequestOutput, outputs: AsyncIterator[RequestOutput],
             yield _sse(fmt.chunk(last))
         if include_usage:
             yield _sse(fmt.usage_chunk(last))
-        yield "data: [DONE]\n\n"
+    except APIError as exc:
+        yield _sse(exc.body())
     finally:
         await outputs.aclose()
+    yield "data: [DONE]\n\n"
 
 
 def _sse(payload: dict[str, Any]) -> str:

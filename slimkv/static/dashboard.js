@@ -1,6 +1,7 @@
 // slimkv dashboard: polls /dashboard/state (the /v1/cache/state JSON) once a second and
 // redraws. No framework; each block of the pool is one .cell element, built once and then
-// only re-classed when its state changes.
+// only re-classed when its state changes. A cluster answers {"replicas": [state, ...]}: one
+// block map per replica, and the cards show the replica picked in the bar above them.
 "use strict";
 
 const POLL_MS = 1000;
@@ -14,7 +15,7 @@ const STATES = [
 ];
 const LABEL = Object.fromEntries(STATES.map(([key, label]) => [key, label]));
 const $ = (id) => document.getElementById(id);
-const view = { blocks: [], clock: 0, lastOk: 0 };
+const view = { maps: {}, selected: null, lastOk: 0 };
 
 function fmtBytes(n) {
   const units = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -116,8 +117,31 @@ function renderLegend(counts) {
   }));
 }
 
-function renderMap(s) {
-  const map = $("map");
+function mapFor(key, title) {
+  if (!view.maps[key]) {
+    // The page's own #map serves the first engine; more replicas get a map each.
+    const first = Object.keys(view.maps).length === 0 && $("map");
+    const box = first ? first.parentElement : document.createElement("div");
+    if (!first) {
+      box.className = "replica-map";
+      box.innerHTML = `<h3 class="map-title"></h3><div class="map" aria-label="KV blocks"></div>`;
+    }
+    const map = box.querySelector(".map");
+    map.dataset.key = key;
+    map.addEventListener("mousemove", onHover);
+    map.addEventListener("mouseleave", () => { $("tip").hidden = true; });
+    $("maps").append(box);
+    view.maps[key] = { box, map, blocks: [], clock: 0 };
+  }
+  const entry = view.maps[key];
+  entry.box.querySelector(".map-title").textContent = title;
+  entry.box.querySelector(".map-title").hidden = !title;
+  return entry;
+}
+
+function renderMap(s, key, title) {
+  const entry = mapFor(key, title);
+  const map = entry.map;
   const blocks = s.blocks;
   if (map.childElementCount !== blocks.length) {
     const side = Math.floor(Math.sqrt((map.clientWidth * 520) / blocks.length)) - 2;
@@ -133,13 +157,40 @@ function renderMap(s) {
     const cell = map.children[i];
     if (cell.className !== cls) cell.className = cls;
   });
-  view.blocks = blocks;
-  view.clock = s.pool.clock;
-  setText("map-sub", `${blocks.length} blocks × ${s.pool.block_size} tokens · step ${s.step}`);
+  entry.blocks = blocks;
+  entry.clock = s.pool.clock;
 }
 
-function tipHtml(b) {
-  const ago = view.clock - b.last_used;
+function renderMaps(states) {
+  const keys = states.map((s) => s.replica || "engine");
+  for (const key of Object.keys(view.maps)) {
+    if (!keys.includes(key)) { view.maps[key].box.remove(); delete view.maps[key]; }
+  }
+  states.forEach((s, i) => {
+    const title = s.replica ? `replica ${s.replica} · ${fmtPct(s.pool.usage)} in use · `
+      + `${s.requests.running} running, ${s.requests.waiting} waiting` : "";
+    renderMap(s, keys[i], title);
+  });
+  const s = states[0];
+  setText("map-sub", `${s.blocks.length} blocks × ${s.pool.block_size} tokens`
+    + (states.length > 1 ? ` · ${states.length} replicas` : ` · step ${s.step}`));
+}
+
+function renderReplicaBar(states) {
+  const bar = $("replicas");
+  bar.hidden = !states[0].replica;
+  if (bar.hidden) return;
+  bar.replaceChildren(...states.map((s) => {
+    const button = document.createElement("button");
+    button.textContent = `replica ${s.replica}`;
+    button.className = s.replica === view.selected ? "on" : "";
+    button.addEventListener("click", () => { view.selected = s.replica; renderReplicaBar(states); });
+    return button;
+  }));
+}
+
+function tipHtml(b, clock) {
+  const ago = clock - b.last_used;
   const reqs = b.requests.length ? esc(b.requests.join(", ")) : "–";
   const tokens = b.tokens ? `${b.tokens[0]}–${b.tokens[1] - 1} (block ${b.tokens[0] / (b.tokens[1] - b.tokens[0])} of the sequence)` : "–";
   return `<b>block #${b.id} · ${LABEL[b.state]}</b>`
@@ -152,10 +203,11 @@ function tipHtml(b) {
 
 function onHover(event) {
   const tip = $("tip");
+  const entry = view.maps[event.currentTarget.dataset.key];
   const i = event.target.dataset ? event.target.dataset.i : undefined;
-  const block = i === undefined ? undefined : view.blocks[Number(i)];
+  const block = i === undefined || !entry ? undefined : entry.blocks[Number(i)];
   if (!block) { tip.hidden = true; return; }
-  tip.innerHTML = tipHtml(block);
+  tip.innerHTML = tipHtml(block, entry.clock);
   tip.hidden = false;
   const x = Math.min(event.clientX + 14, window.innerWidth - tip.offsetWidth - 8);
   const y = Math.min(event.clientY + 14, window.innerHeight - tip.offsetHeight - 8);
@@ -163,14 +215,20 @@ function onHover(event) {
   tip.style.top = `${y}px`;
 }
 
-function render(s) {
-  setText("model", `${s.model} · KV ${s.memory.k_dtype}/${s.memory.v_dtype} · ${s.pool.evict_policy}`);
+function render(data) {
+  const states = data.replicas || [data];
+  if (!states.length) throw new Error("no replica answered");
+  if (!states.some((s) => s.replica === view.selected)) view.selected = states[0].replica || null;
+  const s = states.find((x) => x.replica === view.selected) || states[0];
+  const where = s.replica ? ` · replica ${s.replica} of ${states.length}` : "";
+  setText("model", `${s.model} · KV ${s.memory.k_dtype}/${s.memory.v_dtype} · ${s.pool.evict_policy}${where}`);
+  renderReplicaBar(states);
   renderOccupancy(s);
   renderRequests(s);
   renderMemory(s);
   renderRates(s);
   renderLegend(s.counts);
-  renderMap(s);
+  renderMaps(states);
 }
 
 async function poll() {
@@ -191,6 +249,4 @@ async function poll() {
   setTimeout(poll, POLL_MS);
 }
 
-$("map").addEventListener("mousemove", onHover);
-$("map").addEventListener("mouseleave", () => { $("tip").hidden = true; });
 poll();

@@ -1,0 +1,177 @@
+"""The cluster's HTTP front: the single-engine server's FastAPI app (same routes, SSE,
+API key, error shapes, ``/health``) over a :class:`ClusterBackend` instead of one engine.
+
+The backend tokenizes each prompt (the chat template applied, as the engine would), hashes
+its first blocks for the request router and streams the call to the chosen engine replica.
+A replica that fails before the request produced anything is retried once on another
+replica (nothing was sent yet, so the retry is invisible); one that fails mid-stream ends
+the response with a 503 error (an SSE error event when streaming). ``/metrics`` and
+``/v1/cache/state`` fan out to every live replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayError
+from ray.serve.handle import DeploymentHandle
+
+from slimkv.cluster.exposition import merge_expositions
+from slimkv.cluster.hashing import routing_hashes
+from slimkv.cluster.policy import RouteKeys
+from slimkv.cluster.router import ROUTERS
+from slimkv.cluster.wire import RouteHint, WireError, WireRequest
+from slimkv.config import Config
+from slimkv.model.loader import load_tokenizer
+from slimkv.outputs import RequestOutput
+from slimkv.server.app import create_app
+from slimkv.server.async_engine import GenerateRequest
+from slimkv.server.errors import APIError
+
+log = logging.getLogger(__name__)
+FANOUT_TIMEOUT_S = 5.0
+REPLICA_LOST = (RayActorError, ActorDiedError, ActorUnavailableError)
+
+
+class ReplicaLost(Exception):
+    """The replica serving a request died or became unreachable."""
+
+
+class ClusterBackend:
+    def __init__(self, engines: DeploymentHandle, config: Config, info: dict[str, Any],
+                 app_name: str) -> None:
+        self.engines = engines
+        self.tokenizer = load_tokenizer(config.model.path)
+        self.model_name: str = info["model_name"]
+        self.max_model_len: int = info["max_model_len"]
+        self.block_size: int = info["block_size"]
+        self.routing_blocks = config.cluster.routing_blocks
+        self.app_name = app_name
+        self.registry = CollectorRegistry()
+        self.replicas_up = Gauge("slimkv:cluster_replicas", "Engine replicas the router sees.",
+                                 registry=self.registry)
+        self.unreachable = Counter("slimkv:cluster_replicas_unreachable",
+                                   "Replicas left out of a fan-out (timeout or failure).",
+                                   registry=self.registry)
+        self.decisions = Counter("slimkv:router_decisions", "Routing decisions by reason.",
+                                 ["reason"], registry=self.registry)
+        self._decided: dict[str, int] = {}
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        wire, keys = self._prepare(request)
+        for attempt in (1, 2):
+            produced = False
+            try:
+                async for out in self._stream(request, wire, keys):
+                    produced = True
+                    yield out
+                return
+            except ReplicaLost as exc:
+                if produced or attempt == 2:
+                    raise APIError(503, f"engine replica {request.replica} failed during the "
+                                   f"request ({exc}); retry it", "replica_unavailable",
+                                   headers={"Retry-After": "1"}) from exc
+                log.warning("replica %s failed before answering; retrying", request.replica)
+
+    def _prepare(self, request: GenerateRequest) -> tuple[WireRequest, RouteKeys]:
+        try:
+            if request.chat:
+                ids = self.tokenizer.apply_chat_template(request.prompt)
+            elif isinstance(request.prompt, str):
+                ids = self.tokenizer.encode(request.prompt)
+            else:
+                ids = list(request.prompt)
+            params = request.make_params(len(ids))
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_value") from exc
+        keys = RouteKeys(request.session_id,
+                         routing_hashes(ids, self.block_size, self.routing_blocks))
+        return WireRequest(request.request_id, ids, params, request.session_id), keys
+
+    async def _stream(self, request: GenerateRequest, wire: WireRequest,
+                      keys: RouteKeys) -> AsyncIterator[RequestOutput]:
+        stream = self.engines.options(stream=True).generate.remote(RouteHint(keys), wire)
+        finished = False
+        try:
+            async for item in stream:
+                if isinstance(item, str):
+                    request.replica = item
+                    continue
+                if isinstance(item, WireError):
+                    finished = True
+                    raise item.error()
+                finished = item.finished
+                yield item
+        except REPLICA_LOST as exc:
+            finished = True
+            raise ReplicaLost(type(exc).__name__) from exc
+        except RayError as exc:
+            finished = True
+            log.error("engine replica %s failed: %s", request.replica, exc)
+            raise APIError(500, "internal engine error", "internal_error") from exc
+        finally:
+            if not finished:
+                stream.cancel()  # the replica aborts the request and frees its blocks
+
+    # -- fan-out to every replica ----------------------------------------------------------
+
+    def replica_names(self) -> list[str]:
+        router = ROUTERS.get(self.app_name)
+        return router.replica_names() if router is not None else []
+
+    async def _each(self, method: str, *args: Any) -> dict[str, Any]:
+        names = self.replica_names()
+
+        async def one(name: str) -> Any:
+            call = getattr(self.engines, method).remote(RouteHint(target=name), *args)
+            return await asyncio.wait_for(call, FANOUT_TIMEOUT_S)
+
+        results = await asyncio.gather(*(one(n) for n in names), return_exceptions=True)
+        out = {}
+        for name, result in zip(names, results):
+            if isinstance(result, BaseException):
+                self.unreachable.inc()
+                log.warning("replica %s did not answer %s: %r", name, method, result)
+            else:
+                out[name] = result
+        return out
+
+    async def exposition(self) -> bytes:
+        texts = await self._each("exposition")
+        self.replicas_up.set(len(self.replica_names()))
+        router = ROUTERS.get(self.app_name)
+        for reason, count in (router.decisions.items() if router is not None else ()):
+            self.decisions.labels(reason).inc(count - self._decided.get(reason, 0))
+            self._decided[reason] = count
+        return merge_expositions(texts, generate_latest(self.registry))
+
+    async def cache_state(self, blocks: bool = True) -> dict[str, Any]:
+        states = await self._each("cache_state", blocks)
+        return {"schema_version": 1, "time": time.time(), "model": self.model_name,
+                "replicas": [states[name] for name in sorted(states)]}
+
+
+@serve.ingress()
+class Ingress:
+    """The HTTP ingress deployment; its app is built once the engines answer."""
+
+    async def __init__(self, engines: DeploymentHandle, config: dict[str, Any]) -> None:
+        info = await engines.describe.remote(RouteHint())
+        app_name = serve.get_replica_context().app_name
+        self.backend = ClusterBackend(engines, Config.from_dict(config), info, app_name)
+        self.server_config = Config.from_dict(config).server
+
+    def __serve_build_asgi_app__(self):
+        return create_app(self.backend, self.server_config)

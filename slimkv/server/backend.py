@@ -1,0 +1,35 @@
+"""What the HTTP app needs from whatever serves its requests: one engine in this process
+(:class:`~slimkv.server.async_engine.AsyncEngine`) or N engine replicas on Ray Serve
+(:class:`slimkv.cluster.ingress.ClusterBackend`). The app, its error shapes, SSE and
+authentication are the same for both."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+from slimkv.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from slimkv.server.async_engine import GenerateRequest
+
+REPLICA_HEADER = "X-Slimkv-Replica"  # names the cluster replica that served a response
+
+
+class Backend(Protocol):
+    model_name: str
+    max_model_len: int
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until it finishes; raises ``APIError`` on failure; closing
+        the iterator early aborts the request (its KV blocks are freed)."""
+
+    async def cache_state(self, blocks: bool = True) -> dict[str, Any]:
+        """The ``/v1/cache/state`` snapshot."""
+
+    async def exposition(self) -> bytes:
+        """Prometheus text for ``/metrics``."""
