@@ -151,3 +151,13 @@ def test_rendezvous_score_is_stable_and_balance_is_validated():
         Balance(abs_requests=12, rel=0.5)
     with pytest.raises(ValueError):
         route(RouteKeys("s"), [], PrefixIndex(), BALANCE)
+
+
+def test_cluster_config_is_validated_naming_the_key():
+    from slimkv.config import Config, ConfigError
+
+    assert Config.from_dict({"cluster": {"replicas": 2}}).cluster.replicas == 2
+    for bad, key in (({"replicas": 0}, "cluster.replicas"), ({"router": "random"}, "cluster.router"),
+                     ({"balance_rel": 0.5}, "cluster.balance_rel"), ({"replica": 2}, "cluster.replica")):
+        with pytest.raises(ConfigError, match=key):
+            Config.from_dict({"cluster": bad})
