@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from slimkv.bench.capacity_cli import add_capacity_cli
+from slimkv.bench.cluster import add_cluster_cli
 from slimkv.cli import add_config_args, config_from_args
 
 
@@ -47,6 +48,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="also print the JSON")
     p.set_defaults(func=cmd_bench_compare)
     add_capacity_cli(bench)
+    add_cluster_cli(bench)
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:

@@ -71,6 +71,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat-max-tokens", type=int, default=32)
     p.add_argument("--ignore-eos", action="store_true",
                    help="send ignore_eos (vLLM/slimkv/llama.cpp) so every turn generates max_tokens")
+    p.add_argument("--session-header", action="store_true",
+                   help="send each turn's session id as X-Session-ID (slimkv: pins the session's "
+                   "head in the cache; a cluster routes the session to one replica)")
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--max-requests", type=int, default=100_000, help="cap per level")
     p.add_argument("--seed", type=int, default=0)
@@ -85,7 +88,7 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
                             args.chat_max_tokens, args.seed)
     spec = RunSpec(args.url, args.model, workload, args.duration, args.warmup,
                    args.request_timeout, args.max_requests, args.api_key,
-                   {"ignore_eos": True} if args.ignore_eos else {})
+                   {"ignore_eos": True} if args.ignore_eos else {}, args.session_header)
     levels = sweep(spec, args.concurrency, not args.no_progress)
     print(f"{args.workload} against {args.url} ({args.model}), {args.duration:g} s per level; "
           "latencies in ms")

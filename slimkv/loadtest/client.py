@@ -19,18 +19,22 @@ from typing import Any
 import httpx
 
 from slimkv.loadtest.workloads import Turn
+from slimkv.server.backend import REPLICA_HEADER
 
 
 @dataclass(slots=True)
 class RequestResult:
     session: str
     start: float                      # time.monotonic() when the request was sent
+    turn: int = 1                     # the request's turn in its session
     end: float = 0.0
     ttft: float | None = None
     chunk_times: list[float] = field(default_factory=list)
     text: str = ""
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if sent
+    replica: str | None = None        # the X-Slimkv-Replica header of a slimkv cluster
     error: str | None = None
     cancelled: bool = False           # cut off by the end of the measurement window
 
@@ -74,21 +78,26 @@ class ChatClient:
     """Streams chat completions from ``{url}/v1/chat/completions``."""
 
     def __init__(self, http: httpx.AsyncClient, url: str, model: str,
-                 api_key: str | None = None, extra_body: dict[str, Any] | None = None) -> None:
+                 api_key: str | None = None, extra_body: dict[str, Any] | None = None,
+                 session_header: bool = False) -> None:
         self.http = http
         self.endpoint = f"{url.rstrip('/')}/v1/chat/completions"
         self.model = model
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.extra_body = extra_body or {}
+        self.session_header = session_header  # send each turn's session as X-Session-ID
 
     async def send(self, turn: Turn, result: RequestResult) -> RequestResult:
         """Fill ``result`` in place (so a cancelled request keeps what it received)."""
         body = {"model": self.model, "messages": turn.messages, "max_tokens": turn.max_tokens,
                 "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
                 **self.extra_body}
+        headers = {**self.headers, "X-Session-ID": turn.session} if self.session_header \
+            else self.headers
         try:
             async with self.http.stream("POST", self.endpoint, json=body,
-                                        headers=self.headers) as response:
+                                        headers=headers) as response:
+                result.replica = response.headers.get(REPLICA_HEADER)
                 if response.status_code != 200:
                     await response.aread()
                     result.error = f"http_{response.status_code}"
@@ -124,6 +133,7 @@ class ChatClient:
         if usage:
             result.prompt_tokens = usage.get("prompt_tokens")
             result.completion_tokens = usage.get("completion_tokens")
+            result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         for choice in chunk.get("choices") or []:
             content = (choice.get("delta") or {}).get("content")
             if content:

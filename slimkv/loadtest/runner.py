@@ -35,6 +35,7 @@ class RunSpec:
     max_requests: int = 100_000
     api_key: str | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
+    session_header: bool = False      # send X-Session-ID (slimkv's session affinity)
 
     def __post_init__(self) -> None:
         if urlparse(self.url).scheme not in ("http", "https"):
@@ -65,7 +66,8 @@ async def run_level(spec: RunSpec, concurrency: int,
     timeout = httpx.Timeout(spec.request_timeout, connect=min(10.0, spec.request_timeout))
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
-        client = ChatClient(http, spec.url, spec.model, spec.api_key, spec.extra_body)
+        client = ChatClient(http, spec.url, spec.model, spec.api_key, spec.extra_body,
+                            spec.session_header)
         start = time.monotonic()
         deadline = start + spec.duration
 
@@ -73,7 +75,7 @@ async def run_level(spec: RunSpec, concurrency: int,
             workload = ClientWorkload(spec.workload, concurrency, index, text)
             while time.monotonic() < deadline and len(results) < spec.max_requests:
                 turn = workload.next_turn()
-                result = RequestResult(turn.session, time.monotonic())
+                result = RequestResult(turn.session, time.monotonic(), turn.turn)
                 results.append(result)
                 await _send(client, turn, result)
                 if on_result is not None:

@@ -66,6 +66,7 @@ class Turn:
     messages: list[Message]
     max_tokens: int
     session: str
+    turn: int = 1                     # 1 for a session's first request
 
 
 def corpus() -> str:
@@ -90,7 +91,8 @@ class LongSession:
         if len(self.history) > 1 and need > self.spec.context:
             return None
         self.history.append({"role": "user", "content": question})
-        return Turn(list(self.history), self.spec.max_tokens, self.session)
+        turn = sum(m["role"] == "user" for m in self.history)
+        return Turn(list(self.history), self.spec.max_tokens, self.session, turn)
 
     def record(self, reply: str, total_tokens: int | None) -> None:
         """Keep the reply; ``total_tokens`` is the server's usage (prompt + completion)."""
