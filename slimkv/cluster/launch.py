@@ -11,6 +11,7 @@ token ids and outputs, never tensors), so it fits a small machine; on a real clu
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import ray
 from ray import serve
@@ -58,6 +59,15 @@ def application(config: Config) -> serve.Application:
         max_ongoing_requests=cluster.max_ongoing_requests * cluster.replicas)
     data = config.to_dict()
     return ingress.bind(engines.bind(data), data)
+
+
+def build(args: dict[str, Any]) -> serve.Application:
+    """Application builder for a Serve config file or KubeRay's ``serveConfigV2``
+    (``import_path: slimkv.cluster.launch:build``): ``args`` is ``{"config": {...}}`` (the
+    YAML config's sections inline) or ``{"config_path": "/etc/slimkv/config.yaml"}``."""
+    if "config_path" in args:
+        return application(Config.load(args["config_path"]))
+    return application(Config.from_dict(args.get("config")))
 
 
 def deploy(config: Config) -> str:
