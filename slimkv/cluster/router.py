@@ -51,15 +51,20 @@ class TargetMixin:
     def replica_names(self) -> list[str]:
         return sorted(rid.unique_id for rid in self.curr_replicas)
 
-    def pinned(self, candidates: list[RunningReplica],
-               request: PendingRequest | None) -> list[list[RunningReplica]] | None:
-        """The target's rank for a pinned call (empty while it is not up), else None."""
-        hint = hint_of(request)
-        if hint.target is None:
-            return None
-        if request is not None:
-            request.routing_context.should_backoff = True  # retry with backoff, not a spin
-        return [[r for r in candidates if r.replica_id.unique_id == hint.target]]
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
+        """A pinned call's target (an empty rank while it is not up), else ``choose``."""
+        target = hint_of(pending_request).target
+        if target is None:
+            return await self.choose(candidate_replicas, pending_request)
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True  # back off, not a spin
+        return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
+
+    async def choose(self, candidates: list[RunningReplica],
+                     request: PendingRequest | None) -> list[list[RunningReplica]]:
+        raise NotImplementedError
 
 
 class SlimkvRouter(TargetMixin, RequestRouter):
@@ -69,12 +74,8 @@ class SlimkvRouter(TargetMixin, RequestRouter):
         self.index = PrefixIndex()
         self.outstanding: Counter[str] = Counter()
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None
-                              ) -> list[list[RunningReplica]]:
-        pinned = self.pinned(candidate_replicas, pending_request)
-        if pinned is not None:
-            return pinned
+    async def choose(self, candidate_replicas: list[RunningReplica],
+                     pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
@@ -88,7 +89,8 @@ class SlimkvRouter(TargetMixin, RequestRouter):
 
     def _load(self, name: str, replica: RunningReplica) -> ReplicaLoad:
         stats = replica.routing_stats or {}
-        self.index.capacity = max(self.index.capacity, int(stats.get("num_blocks", 0)))
+        if stats.get("num_blocks"):  # remember at most a pool's worth of blocks per replica
+            self.index.capacity = int(stats["num_blocks"])
         return ReplicaLoad(name, max(self.outstanding[name], int(stats.get("num_requests", 0))),
                            float(stats.get("kv_usage", 0.0)),
                            bool(stats.get("watermark_alert", False)))
@@ -124,14 +126,10 @@ class SlimkvRouter(TargetMixin, RequestRouter):
 class PowerOfTwoRouter(TargetMixin, PowerOfTwoChoicesRequestRouter):
     """Ray Serve's default router, plus pinned calls."""
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None
-                              ) -> list[list[RunningReplica]]:
-        pinned = self.pinned(candidate_replicas, pending_request)
-        if pinned is not None:
-            return pinned
+    async def choose(self, candidates: list[RunningReplica],
+                     request: PendingRequest | None) -> list[list[RunningReplica]]:
         self.decisions["pow2"] += 1
-        return await super().choose_replicas(candidate_replicas, pending_request)
+        return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidates, request)
 
 
 ROUTER_CLASSES = {"slimkv": "slimkv.cluster.router:SlimkvRouter",
