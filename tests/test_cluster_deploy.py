@@ -40,3 +40,34 @@ def test_alerts_keep_replicas_apart():
     rules = yaml.safe_load((DEPLOY / "alerts.yml").read_text())
     exprs = [r["expr"] for g in rules["groups"] for r in g["rules"]]
     assert all("replica" in e for e in exprs if " on(" in e or "sum by" in e)
+
+
+def test_merged_exposition_labels_every_replica_and_keeps_types():
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from slimkv.cluster.exposition import merge_expositions
+
+    def replica(hits: int, ttft: float) -> bytes:
+        r = CollectorRegistry()
+        Counter("slimkv:prefix_cache_hits", "h", ["model_name"], registry=r).labels("m").inc(hits)
+        Histogram("slimkv:time_to_first_token_seconds", "t", ["model_name"],
+                  registry=r).labels("m").observe(ttft)
+        return generate_latest(r)
+
+    ingress = CollectorRegistry()
+    Counter("slimkv:router_decisions", "d", ["reason"], registry=ingress).labels("session").inc(3)
+    text = merge_expositions({"a": replica(5, 0.2), "b": replica(7, 3.0)},
+                             generate_latest(ingress)).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["slimkv:prefix_cache_hits"].type == "counter"
+    assert families["slimkv:time_to_first_token_seconds"].type == "histogram"
+    hits = {s.labels["replica"]: s.value for s in families["slimkv:prefix_cache_hits"].samples
+            if s.name.endswith("_total")}
+    assert hits == {"a": 5.0, "b": 7.0}
+    counts = {s.labels["replica"]: s.value
+              for s in families["slimkv:time_to_first_token_seconds"].samples
+              if s.name.endswith("_count")}
+    assert counts == {"a": 1.0, "b": 1.0}
+    [decision] = [s for s in families["slimkv:router_decisions"].samples if s.name.endswith("_total")]
+    assert decision.labels == {"reason": "session"} and decision.value == 3
