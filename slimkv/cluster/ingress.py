@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -74,9 +75,10 @@ class ClusterBackend:
         for attempt in (1, 2):
             produced = False
             try:
-                async for out in self._stream(request, wire, keys):
-                    produced = True
-                    yield out
+                async with aclosing(self._stream(request, wire, keys)) as outputs:
+                    async for out in outputs:  # closed at once if our caller stops early
+                        produced = True
+                        yield out
                 return
             except ReplicaLost as exc:
                 if produced or attempt == 2:
