@@ -39,9 +39,10 @@ LABELS = {"single": "1 engine", "slimkv": "2 replicas, slimkv router",
 class ClusterBenchSpec:
     variants: tuple[str, ...] = ("single", "slimkv", "pow2")
     replicas: int = 2
-    concurrency: int = 8
+    concurrency: int = 12
     duration: float = 150.0
     warmup: float = 15.0
+    think_time: float = 2.0
     workload: WorkloadSpec = WorkloadSpec("long-sessions", context=2048, doc_tokens=1024,
                                           max_tokens=32)
 
@@ -119,7 +120,7 @@ def bench_cluster(config: Config, spec: ClusterBenchSpec) -> dict[str, Any]:
         with ServerProcess(variant_config(config, name, spec), start_timeout=600) as server:
             run_spec = RunSpec(server.url, server.model_name(), spec.workload, spec.duration,
                                spec.warmup, extra_body={"ignore_eos": True},
-                               session_header=True)
+                               session_header=True, think_time=spec.think_time)
             before = server_totals(server.url)
             run = asyncio.run(run_level(run_spec, spec.concurrency))
             after = server_totals(server.url)
@@ -155,7 +156,8 @@ def plot_cluster(result: dict[str, Any], path: str | Path) -> None:
     right.set_ylabel("TTFT of turns 2+ (ms)")
     right.legend()
     w = result["spec"]["workload"]
-    fig.suptitle(f"{result['spec']['concurrency']} long-document sessions "
+    fig.suptitle(f"{result['spec']['concurrency']} users, {result['spec']['think_time']:g} s "
+                 f"think time, long-document sessions "
                  f"({w['doc_tokens']}-token documents, {w['context']}-token context), "
                  f"{result['spec']['duration']:g} s each; {result['machine']['cpu']}", fontsize=9)
     fig.tight_layout()
@@ -172,7 +174,10 @@ def add_cluster_cli(bench: Any) -> None:
     p.add_argument("--variants", default="single,slimkv,pow2",
                    help=f"from {', '.join(VARIANTS)} (run in this order)")
     p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--concurrency", type=int, default=8, help="closed-loop clients")
+    p.add_argument("--concurrency", type=int, default=12, help="closed-loop clients (users)")
+    p.add_argument("--think-time", type=float, default=2.0,
+                   help="mean seconds a user waits after each answer: without it a closed loop "
+                   "hands a finished turn's slot straight back to the same replica")
     p.add_argument("--duration", type=float, default=150.0, help="seconds per variant")
     p.add_argument("--warmup", type=float, default=15.0, help="seconds per variant not measured")
     p.add_argument("--doc-tokens", type=int, default=1024)
@@ -193,10 +198,10 @@ def cmd_bench_cluster(args: Any) -> int:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or not variants:
         raise ValueError(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    workload = WorkloadSpec("long-sessions", args.context, args.doc_tokens, args.max_tokens,
+                            seed=args.seed)
     spec = ClusterBenchSpec(variants, args.replicas, args.concurrency, args.duration,
-                            args.warmup, WorkloadSpec("long-sessions", args.context,
-                                                      args.doc_tokens, args.max_tokens,
-                                                      seed=args.seed))
+                            args.warmup, args.think_time, workload)
     result = bench_cluster(config_from_args(args), spec)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

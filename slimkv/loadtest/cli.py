@@ -74,6 +74,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--session-header", action="store_true",
                    help="send each turn's session id as X-Session-ID (slimkv: pins the session's "
                    "head in the cache; a cluster routes the session to one replica)")
+    p.add_argument("--think-time", type=float, default=0.0,
+                   help="mean seconds a client waits after each answer (uniform 0.5-1.5x)")
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--max-requests", type=int, default=100_000, help="cap per level")
     p.add_argument("--seed", type=int, default=0)
@@ -88,7 +90,8 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
                             args.chat_max_tokens, args.seed)
     spec = RunSpec(args.url, args.model, workload, args.duration, args.warmup,
                    args.request_timeout, args.max_requests, args.api_key,
-                   {"ignore_eos": True} if args.ignore_eos else {}, args.session_header)
+                   {"ignore_eos": True} if args.ignore_eos else {}, args.session_header,
+                   args.think_time)
     levels = sweep(spec, args.concurrency, not args.no_progress)
     print(f"{args.workload} against {args.url} ({args.model}), {args.duration:g} s per level; "
           "latencies in ms")

@@ -10,6 +10,7 @@ failed request is followed by a short pause so a dead server is not hammered in 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ class RunSpec:
     api_key: str | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
     session_header: bool = False      # send X-Session-ID (slimkv's session affinity)
+    think_time: float = 0.0           # mean pause after each answered turn (0.5-1.5x, seeded)
 
     def __post_init__(self) -> None:
         if urlparse(self.url).scheme not in ("http", "https"):
@@ -73,6 +75,7 @@ async def run_level(spec: RunSpec, concurrency: int,
 
         async def loop(index: int) -> None:
             workload = ClientWorkload(spec.workload, concurrency, index, text)
+            think = random.Random(f"think:{spec.workload.seed}:{concurrency}:{index}")
             while time.monotonic() < deadline and len(results) < spec.max_requests:
                 turn = workload.next_turn()
                 result = RequestResult(turn.session, time.monotonic(), turn.turn)
@@ -82,6 +85,8 @@ async def run_level(spec: RunSpec, concurrency: int,
                     on_result(result)
                 if result.ok:
                     workload.record(result.text, result.total_tokens)
+                    pause = spec.think_time * think.uniform(0.5, 1.5)
+                    await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
                 else:
                     workload.fail()
                     await asyncio.sleep(min(ERROR_PAUSE_S, max(0.0, deadline - time.monotonic())))
