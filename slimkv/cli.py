@@ -68,7 +68,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print_json({"text": result.text, "finish_reason": result.finish_reason,
                     "prompt_tokens": len(result.prompt_token_ids),
                     "completion_tokens": len(result.token_ids), "model": engine.model_name,
-                    "kv_dtype": {"k": engine.k_dtype, "v": engine.v_dtype}})
+                    "kv_dtype": {"k": engine.runner.k_dtype, "v": engine.runner.v_dtype}})
     else:
         print(result.text)
     return 0

@@ -116,11 +116,11 @@ def test_engine_with_a_mix_generates() -> None:
                               layer_dtypes={"int8": [0, 29], "float32": [5]})
     llm = LLM(config)
     engine = llm.engine
-    assert engine.bytes_per_token == PagedKVCache.bytes_per_token(
+    assert engine.runner.bytes_per_token == PagedKVCache.bytes_per_token(
         **SMOLLM2, k_dtype="int4", v_dtype="int4", k_scale=config.kv_cache.k_scale,
         layer_dtypes=config.kv_cache.layer_dtypes)
-    assert engine.cache.nbytes == 64 * engine.cache.bytes_per_block
+    assert engine.runner.cache.nbytes == 64 * engine.runner.cache.bytes_per_block
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     [result] = llm.generate("The capital of France is", params)
     assert len(result.token_ids) == 20
-    assert engine.attention.fallback_reason is None
+    assert engine.runner.attention.fallback_reason is None

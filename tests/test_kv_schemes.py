@@ -204,7 +204,7 @@ def test_prefix_hits_on_quantized_blocks_equal_cold_prefill() -> None:
     assert hit.num_cached_tokens == 32  # two full quantized blocks
     cold = generate(LLMEngine(config))
     assert hit.output_token_ids == cold
-    assert warm.memory_split()["kv_staging"] == warm.cache.staging_nbytes > 0
+    assert warm.memory_split()["kv_staging"] == warm.runner.cache.staging_nbytes > 0
 
 
 @pytest.mark.slow

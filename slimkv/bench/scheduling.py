@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from slimkv.bench.engine import machine_info, random_prompt
+from slimkv.bench.engine import machine_info
 from slimkv.config import Config
 from slimkv.engine import LLMEngine
 from slimkv.sampling import SamplingParams
 from slimkv.stats import percentile
+from slimkv.workload import random_prompt
 
 
 def run_lanes(config: Config, policy: str, long_tokens: int, num_short: int,

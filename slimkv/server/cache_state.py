@@ -107,8 +107,8 @@ class CacheHistory:
             "pool": pool_summary(engine, blocks),
             "counts": counts,
             "requests": request_summary(engine),
-            "memory": {**engine.memory_split(), "kv_bytes_per_token": engine.bytes_per_token,
-                       "k_dtype": engine.k_dtype, "v_dtype": engine.v_dtype},
+            "memory": {**engine.memory_split(), "kv_bytes_per_token": engine.runner.bytes_per_token,
+                       "k_dtype": engine.runner.k_dtype, "v_dtype": engine.runner.v_dtype},
             "prefix_cache": self._prefix_summary(now),
             "events": {"window_s": WINDOW_S,
                        **{f"{name}_total": self.counts.totals()[name]
@@ -136,7 +136,7 @@ def ratio(part: int, whole: int) -> float | None:
 
 def pool_summary(engine: LLMEngine, blocks: list[dict[str, Any]]) -> dict[str, Any]:
     pool, kv = engine.pool, engine.config.kv_cache
-    return {"num_blocks": pool.num_blocks, "block_size": engine.cache.block_size,
+    return {"num_blocks": pool.num_blocks, "block_size": engine.runner.cache.block_size,
             "num_free_blocks": pool.num_free_blocks, "usage": pool.usage,
             "watermark": kv.watermark, "watermark_alert": engine.scheduler.watermark_alert,
             "evict_policy": kv.evict_policy,
@@ -157,7 +157,7 @@ def block_states(engine: LLMEngine) -> list[dict[str, Any]]:
     for seq in [*engine.scheduler.running, *engine.scheduler.waiting]:
         for index, block in enumerate(seq.blocks):
             holders.setdefault(block.block_id, []).append((seq.request_id, index))
-    block_size = engine.cache.block_size
+    block_size = engine.runner.cache.block_size
     staged = staged_blocks(engine)
     return [block_entry(block, holders.get(block.block_id, []), block_size,
                         block.block_id in staged)
@@ -167,9 +167,9 @@ def block_states(engine: LLMEngine) -> list[dict[str, Any]]:
 def staged_blocks(engine: LLMEngine) -> set[int]:
     """Blocks whose tokens still live in their sequence's full-precision staging slot: the
     partly filled last block of a running sequence, when the KV scheme quantizes per block."""
-    if engine.cache.staging is None:
+    if engine.runner.cache.staging is None:
         return set()
-    size = engine.cache.block_size
+    size = engine.runner.cache.block_size
     return {seq.blocks[seq.num_computed_tokens // size].block_id
             for seq in engine.scheduler.running
             if seq.num_computed_tokens % size and len(seq.blocks) > seq.num_computed_tokens // size}

@@ -78,9 +78,9 @@ class ServerMetrics:
         self.blocks_total.labels(m).set(engine.pool.num_blocks)
         self.watermark.labels(m).set(engine.config.kv_cache.watermark)
         self.kv_info.labels(m).info({
-            "k_dtype": engine.k_dtype, "v_dtype": engine.v_dtype,
-            "bytes_per_token": str(engine.bytes_per_token),
-            "block_size": str(engine.cache.block_size)})
+            "k_dtype": engine.runner.k_dtype, "v_dtype": engine.runner.v_dtype,
+            "bytes_per_token": str(engine.runner.bytes_per_token),
+            "block_size": str(engine.runner.cache.block_size)})
         for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl,
                        self.e2e, self.queue_time):
             metric.labels(m)  # export zeros before the first request
@@ -116,7 +116,7 @@ class ServerMetrics:
         self._add(self.prefix_hits.labels(m), "prefix_hits", engine.manager.num_prefix_hits)
         self._add(self.preemptions.labels(m), "preemptions", engine.scheduler.num_preemptions)
         self._add(self.evictions.labels(m), "evictions", engine.pool.num_evictions)
-        for path, count in engine.attention.path_counts.items():
+        for path, count in engine.runner.attention.path_counts.items():
             self._add(self.attention_path.labels(m, path), f"path:{path}", count)
 
     def _add(self, child: Counter, key: str, total: int) -> None:
