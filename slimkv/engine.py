@@ -15,6 +15,7 @@ from typing import Hashable
 import torch
 
 from slimkv.config import Config
+from slimkv.engine_stats import BlockInfo, EngineStats, LaneCounts
 from slimkv.kv.block_pool import BlockPool
 from slimkv.kv.contiguous import ContiguousKVManager
 from slimkv.kv.manager import KVCacheManager
@@ -50,6 +51,13 @@ class LLMEngine:
         self.num_steps = 0
         self.finished_reasons: Counter[str] = Counter()
         self._ids = itertools.count()
+        runner = self.runner
+        self._facts = dict(model_name=self.model_name, k_dtype=runner.k_dtype,
+                           v_dtype=runner.v_dtype, bytes_per_token=runner.bytes_per_token,
+                           block_size=kv.block_size, num_blocks=self.pool.num_blocks,
+                           memory=runner.memory_split(), watermark=kv.watermark,
+                           evict_policy=kv.evict_policy,
+                           max_concurrency_soft=kv.max_concurrency_soft)
 
     # -- requests ----------------------------------------------------------------------
 
@@ -94,7 +102,45 @@ class LLMEngine:
     def memory_split(self) -> dict[str, int]:
         """Bytes of the weights, the KV pool, its staging blocks and the activation peak
         (see :meth:`ModelRunner.memory_split`)."""
-        return self.runner.memory_split()
+        return dict(self._facts["memory"])
+
+    def unscheduled_since(self, deadline: float) -> list[str]:
+        """Ids of waiting requests never scheduled that arrived before ``deadline``
+        (``time.monotonic()``)."""
+        return [s.request_id for s in self.scheduler.waiting
+                if s.scheduled_time is None and s.arrival_time < deadline]
+
+    # -- what the engine reports ---------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        sched, pool, manager = self.scheduler, self.pool, self.manager
+        return EngineStats(
+            **self._facts, step=self.num_steps, num_running=sched.num_running(),
+            num_waiting=sched.num_waiting(),
+            lanes={lane: LaneCounts(sched.num_running(lane), sched.num_waiting(lane))
+                   for lane in ("fast", "slow")},
+            num_free_blocks=pool.num_free_blocks, watermark_alert=sched.watermark_alert,
+            prefix_queries=manager.num_prefix_queries, prefix_hits=manager.num_prefix_hits,
+            preemptions=sched.num_preemptions, evictions=pool.num_evictions,
+            false_ooms=getattr(manager, "num_false_oom", 0),
+            attention_paths=dict(self.runner.attention.path_counts),
+            finished=dict(self.finished_reasons))
+
+    def block_map(self) -> list[BlockInfo]:
+        """Every block of the pool, in id order, with its state and holders."""
+        holders: dict[int, list[tuple[str, int]]] = {}
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            for index, block in enumerate(seq.blocks):
+                holders.setdefault(block.block_id, []).append((seq.request_id, index))
+        bs = self.manager.block_size
+        staged = {seq.blocks[seq.num_computed_tokens // bs].block_id
+                  for seq in self.scheduler.running
+                  if seq.staging_slot is not None and seq.num_computed_tokens % bs
+                  and len(seq.blocks) > seq.num_computed_tokens // bs}
+        return [BlockInfo(b.block_id, "staging" if b.block_id in staged else b.state,
+                          b.ref_cnt, tuple(holders.get(b.block_id, ())),
+                          None if b.session_head is None else str(b.session_head), b.last_used)
+                for b in self.pool.blocks]
 
     # -- the step ----------------------------------------------------------------------
 

@@ -132,7 +132,7 @@ def bench_slimkv(config: Config, kv_dtypes: list[str], context: int, steps: int,
                "decode_d2048_tok_s": decode_rate(engine, 1, 2048, 128),
                "prefill_512_tok_s": prefill_rate(engine, 512),
                "prefill_2048_tok_s": prefill_rate(engine, 2048),
-               "decode_path": dict(engine.runner.attention.path_counts)}
+               "decode_path": dict(engine.stats().attention_paths)}
         if progress:
             print(f"slimkv {kv}: {row}", flush=True)
         out[kv] = row

@@ -44,7 +44,7 @@ def bench_engine(config: Config, kv_dtypes: list[str], prompt_lens: list[int],
                              layer_dtypes=None, enable_prefix_caching=False, watermark=1.0,
                              max_concurrency_soft=max(batches))
         engine = LLMEngine(cfg)
-        row: dict[str, Any] = {"bytes_per_token": engine.runner.bytes_per_token}
+        row: dict[str, Any] = {"bytes_per_token": engine.stats().bytes_per_token}
         measure_prefill(engine, 16)  # warm-up
         for length in prompt_lens:
             row[f"prefill_{length}_tok_s"] = round(measure_prefill(engine, length), 1)

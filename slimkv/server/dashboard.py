@@ -72,7 +72,7 @@ def install_dashboard(app: FastAPI, v1: APIRouter, engine: AsyncEngine,
     engine.step_hooks.append(history)
 
     async def state(blocks: bool = True) -> dict[str, Any]:
-        return await engine.call(lambda e: history.snapshot(e, with_blocks=blocks))
+        return await engine.call(lambda e: history.snapshot(e.stats(), e.block_map(), blocks))
 
     v1.get("/cache/state", summary="KV cache state (schema: README, Dashboard)")(state)
     page = APIRouter(prefix="/dashboard")
