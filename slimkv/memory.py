@@ -77,14 +77,8 @@ def profile_batch(num_tokens: int, max_len: int, block_size: int,
     lens = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
     blocks = [-(-n // block_size) for n in lens]
     first = [sum(blocks[:i]) for i in range(len(lens))]
-    width = max(blocks)
-    table = [list(range(f, f + b)) + [0] * (width - b) for f, b in zip(first, blocks)]
-    slots = [f * block_size + p for f, n in zip(first, lens) for p in range(n)]
-    starts = [sum(lens[:i]) for i in range(len(lens) + 1)]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device=device), query_start_loc=starts,
-        query_lens=lens, seq_lens=lens, block_tables=torch.tensor(table, device=device),
-        seq_lens_t=torch.tensor(lens, device=device))
+    tables = [list(range(f, f + b)) for f, b in zip(first, blocks)]
+    meta = AttentionMetadata.build(block_size, tables, lens, lens, device)
     positions = torch.cat([torch.arange(n, device=device) for n in lens])
     return torch.zeros(num_tokens, dtype=torch.long, device=device), positions, meta
 

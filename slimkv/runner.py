@@ -70,15 +70,15 @@ class ModelRunner:
                      head_dim=args.head_dim, k_dtype=self.k_dtype, v_dtype=self.v_dtype,
                      k_scale=kv.k_scale, v_scale=kv.v_scale, layer_dtypes=kv.layer_dtypes)
         self.bytes_per_token = PagedKVCache.bytes_per_token(**shape, block_size=kv.block_size)
-        staged = PagedKVCache.is_staged(self.k_dtype, self.v_dtype, args.head_dim, kv.k_scale,
-                                        kv.v_scale, kv.layer_dtypes)
+        staged = Staging.needed(self.k_dtype, self.v_dtype, args.head_dim, kv.k_scale,
+                                kv.v_scale, kv.layer_dtypes)
         # One staging slot per running sequence, plus one for score().
         self.num_staging_slots = kv.max_concurrency_soft + 1 if staged else 0
         self.cache = PagedKVCache(num_blocks=self._num_blocks(shape), block_size=kv.block_size,
-                                  device=self.device, num_staging=self.num_staging_slots,
-                                  staging_dtype=self.dtype, **shape)
+                                  device=self.device, **shape)
+        self.staging = Staging(self.cache, self.num_staging_slots, self.dtype) if staged else None
         self.attention = PagedAttention(self.cache, args.num_heads, args.head_dim ** -0.5,
-                                        self.dtype)
+                                        self.dtype, staging=self.staging)
         if kv.strict and self.attention.fallback_reason:
             raise ConfigError(
                 f"kv_cache.strict: the {self.k_dtype}/{self.v_dtype} KV cache cannot run its "
@@ -107,7 +107,8 @@ class ModelRunner:
         """Bytes of the weights, the KV pool, its staging blocks, and the activation peak of
         the largest step (measured at start-up, see :func:`slimkv.memory.activation_peak`)."""
         return {"weights": weight_bytes(self.model), "kv_cache": self.cache.nbytes,
-                "kv_staging": self.cache.staging_nbytes, "activations": self.activation_bytes}
+                "kv_staging": self.staging.nbytes if self.staging else 0,
+                "activations": self.activation_bytes}
 
     # -- one step ----------------------------------------------------------------------
 
@@ -154,29 +155,14 @@ class ModelRunner:
     def _prepare(self, scheduled: list[tuple[Sequence, int]]
                  ) -> tuple[AttentionMetadata, list[int], list[Sequence]]:
         """The step's metadata, and the hidden-state row and sequence of each sampler."""
-        bs = self.cache.block_size
-        slots: list[int] = []
-        starts, query_lens, seq_lens, tables, staging = [0], [], [], [], []
-        sample_rows, sample_seqs = [], []
+        rows, seqs, end = [], [], 0
         for seq, n in scheduled:
-            start = seq.num_computed_tokens
-            slots += [seq.blocks[p // bs].block_id * bs + p % bs for p in range(start, start + n)]
-            starts.append(starts[-1] + n)
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            tables.append([b.block_id for b in seq.blocks])
-            staging.append(seq.staging_slot)
-            if start + n == seq.num_tokens:
-                sample_rows.append(starts[-1] - 1)
-                sample_seqs.append(seq)
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=starts, query_lens=query_lens, seq_lens=seq_lens,
-            block_tables=table.to(dev),
-            seq_lens_t=torch.tensor(seq_lens, dtype=torch.long, device=dev),
-            staging_slots=(None if None in staging else
-                           torch.tensor(staging, dtype=torch.long, device=dev)))
-        return meta, sample_rows, sample_seqs
+            end += n
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                rows.append(end - 1)
+                seqs.append(seq)
+        meta = AttentionMetadata.build(
+            self.cache.block_size, [[b.block_id for b in seq.blocks] for seq, _ in scheduled],
+            [n for _, n in scheduled], [seq.num_computed_tokens + n for seq, n in scheduled],
+            self.device, [seq.staging_slot for seq, _ in scheduled] if self.staging else None)
+        return meta, rows, seqs

@@ -39,7 +39,8 @@ class CheckedAttention:
                  meta: AttentionMetadata) -> torch.Tensor:
         a = self.attention
         out = a(layer, q, k, v, meta)
-        ref = reference_paged_attention(a.cache, layer, q, meta, a.scale, a.dtype, a.fresh).float()
+        ref = reference_paged_attention(a.cache, layer, q, meta, a.scale, a.dtype,
+                                        a.staging).float()
         error = ((out.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
         self.errors[layer] = max(self.errors[layer], error)
         return out
