@@ -1,5 +1,9 @@
 """Block bookkeeping: exact block ids, free-queue order, prefix-cache index, eviction."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from slimkv.kv.block_pool import BlockPool, FreeBlockQueue, Block, hash_block
@@ -38,6 +42,18 @@ def test_chained_hash_depends_on_parent():
     h1 = hash_block(None, [1, 2])
     assert hash_block(h1, [3, 4]) != hash_block(hash_block(None, [9, 9]), [3, 4])
     assert hash_block(h1, [3, 4]) == hash_block(hash_block(None, [1, 2]), [3, 4])
+    assert hash_block(None, [1, 2]) != hash_block(None, [2, 1])
+
+
+def test_chained_hash_is_the_same_in_every_process():
+    """Keys are shared by replicas and the disk tier: no per-process salt (Python's hash
+    of str/bytes changes with PYTHONHASHSEED)."""
+    code = ("from slimkv.kv.block_pool import hash_block as h;"
+            "print(h(h(None, [1, 70000]), list(range(16))).hex())")
+    digests = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              check=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+               for seed in ("1", "2")}
+    assert digests == {hash_block(hash_block(None, [1, 70000]), list(range(16))).hex() + "\n"}
 
 
 def test_prefix_hit_reuses_the_exact_block_and_eviction_is_lazy():

@@ -13,15 +13,20 @@ block is gone.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import hashlib
+import struct
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Hashable
 
-BlockHash = tuple[int, tuple[int, ...]]  # (parent hash value, token ids): chained prefix key
+BlockHash = bytes  # 16-byte chained digest: the same in every process, run and replica
 
 
-def hash_block(parent: BlockHash | None, token_ids: Iterable[int]) -> BlockHash:
-    """Key of a full block: its own tokens chained to the key of the block before it."""
-    return (hash(parent) if parent is not None else 0, tuple(token_ids))
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """Key of a full block: blake2b-128 of the previous block's key and this block's token
+    ids (little-endian uint32), so a key names the whole prefix. Stable across processes
+    (never Python's ``hash``): replicas route by it and the offload tier files by it."""
+    data = struct.pack(f"<{len(token_ids)}I", *token_ids)
+    return hashlib.blake2b(data, digest_size=16, key=parent or b"").digest()
 
 
 class Block:
