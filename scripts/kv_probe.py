@@ -63,7 +63,7 @@ def main() -> None:
     config = Config.load().replace("kv_cache", dtype="float32", num_blocks=160)
     config = config.replace("scheduler", max_num_batched_tokens=2048)
     engine = LLMEngine(config)
-    real = engine.attention
+    real = engine.runner.attention
     head_dim = engine.model_args.head_dim
     rot = hadamard(head_dim)
     schemes = {
@@ -93,11 +93,11 @@ def main() -> None:
             def attn(layer, q, k, v, meta, kc=kc, vc=vc, sinks=sinks, rotate=rotate):
                 return real(layer, q, fake_quant(kc, k, sinks, rotate),
                             fake_quant(vc, v, sinks, rotate), meta)
-            engine.attention = attn
+            engine.runner.attention = attn
             stats = TokenStats()
             for w, ref in zip(windows, refs):
                 stats.add(next_token_logprobs(engine.score(w)), torch.tensor(w[1:]), ref)
-            engine.attention = real
+            engine.runner.attention = real
             ppl = 100 * (stats.perplexity / ref_stats.perplexity - 1)
             print(f"{scheme:<16} {variant:<18} {ppl:>+8.3f} {stats.mean_kl:>9.6f} "
                   f"{100 * stats.top1_agreement:>7.2f}", flush=True)

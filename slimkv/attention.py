@@ -5,17 +5,17 @@ over its sequence's KV read back *from the pool*. Prefill chunks, prefix-cached 
 decodes therefore all see the same quantized values, and the result does not depend on how
 a prompt was chunked.
 
-With per-block scales (a staged cache, :mod:`slimkv.kv.staging`) a query sees the blocks
-before its own through the pool and its own block at full precision: from the staging slot
-for a decode, from the chunk's own tokens (plus the staged head of its first block) for a
-prefill. That rule depends on positions only, so chunking still does not change results.
+With per-block scales the cache is *staged* (:mod:`slimkv.kv.staging`): a query sees the
+blocks before its own through the pool and its own block at full precision, from the
+staging slot for a decode, from the chunk's own tokens (plus the staged head of its first
+block) for a prefill. That rule depends on positions only, so chunking still does not
+change results.
 """
 
 from __future__ import annotations
 
 import os
 from collections import Counter, defaultdict
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,28 +24,14 @@ from torch import Tensor
 from slimkv.kernels import (KVSide, decode_kernel, describe, kernel_format,
                             kernel_unavailable_reason)
 from slimkv.kv.cache import PagedKVCache
-from slimkv.own_block import Fresh, staged_context
+from slimkv.kv.staging import Staging
+from slimkv.metadata import AttentionMetadata, DecodePlan
+
+__all__ = ["FAST_ENV", "AttentionMetadata", "DecodePlan", "PagedAttention",
+           "reference_paged_attention", "sequence_context"]
 
 # Set to 0 to force the reference (fallback) path, e.g. to prove `slimkv verify` catches it.
 FAST_ENV = "SLIMKV_ATTENTION_FAST"
-
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    """Where a step's tokens go and what each sequence attends to.
-
-    The step's tokens are laid out sequence after sequence: sequence ``i`` owns query rows
-    ``query_start_loc[i]:query_start_loc[i+1]``; they are the *last* ``query_lens[i]`` tokens
-    of its ``seq_lens[i]``-token context, whose KV lives in the blocks ``block_tables[i]``.
-    """
-
-    slot_mapping: torch.Tensor      # [T] int64: block_id * block_size + offset of each new token
-    query_start_loc: list[int]      # [B + 1] cumulative query lengths
-    query_lens: list[int]           # [B] new tokens per sequence this step
-    seq_lens: list[int]             # [B] context length per sequence after this step
-    block_tables: torch.Tensor      # [B, max_blocks] int64, padded with 0 past each table's end
-    seq_lens_t: torch.Tensor        # [B] int64, seq_lens on the device
-    staging_slots: torch.Tensor | None = None  # [B] int64: staging slot per sequence
 
 
 def _context_mask(seq_lens: Tensor, query_len: int, num_keys: int) -> Tensor:
@@ -78,62 +64,41 @@ def _gqa_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Te
     return out.reshape(batch, n, num_heads, head_dim)
 
 
+def sequence_context(cache: PagedKVCache, staging: Staging | None, layer: int,
+                     meta: AttentionMetadata, i: int,
+                     dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """Sequence ``i``'s keys and values ``[1, n, H, D]`` and mask ``[1, query_len, n]``:
+    its pool blocks, or for a staged cache its earlier blocks from the pool and its own
+    block at full precision."""
+    if staging is None:
+        k, v = cache.read_prefix(layer, meta.block_tables[i:i + 1], meta.seq_lens[i], dtype)
+        return k, v, _context_mask(meta.seq_lens_t[i:i + 1], meta.query_lens[i], k.shape[1])
+    return staging.context(layer, meta.block_tables[i:i + 1], meta.seq_lens[i],
+                           meta.query_lens[i], meta.staging_slots[i:i + 1], meta.staged.get(i),
+                           dtype)
+
+
 def reference_paged_attention(cache: PagedKVCache, layer: int, q: Tensor, meta: AttentionMetadata,
                               scale: float, dtype: torch.dtype,
-                              fresh: dict[int, Fresh] | None = None) -> Tensor:
+                              staging: Staging | None = None) -> Tensor:
     """Plain per-sequence attention over the cached KV, softmax in float32.
 
     Reads the pool only (the step's K/V must already be written), plus, for a staged cache,
-    each prefill's ``fresh`` K/V (:attr:`PagedAttention.fresh`) and each decode's staging
-    slot. Kept simple on purpose: it is the oracle that the fast path and future kernels
-    are checked against.
+    each prefill's full-precision K/V (``meta.staged``) and each decode's staging slot.
+    Kept simple on purpose: it is the oracle that the fast path and future kernels are
+    checked against.
     """
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     group = q.shape[1] // cache.num_kv_heads
-    fresh = fresh or {}
-    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens)):
+    for i, q_len in enumerate(meta.query_lens):
         rows = slice(meta.query_start_loc[i], meta.query_start_loc[i] + q_len)
-        if cache.staging is None:
-            k, v = cache.read_prefix(layer, meta.block_tables[i:i + 1], seq_len, torch.float32)
-            mask = _context_mask(meta.seq_lens_t[i:i + 1], q_len, k.shape[1])
-        else:
-            k, v, mask = staged_context(cache, layer, meta.block_tables[i:i + 1], seq_len, q_len,
-                                        meta.staging_slots[i:i + 1], fresh.get(i), torch.float32)
+        k, v, mask = sequence_context(cache, staging, layer, meta, i, torch.float32)
         k = k[0].repeat_interleave(group, dim=1)
         v = v[0].repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[rows].float(), k) * scale
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        probs = scores.masked_fill(~mask[0], float("-inf")).softmax(dim=-1)
         out[rows] = torch.einsum("hqk,khd->qhd", probs, v).to(dtype)
     return out
-
-
-@dataclass(slots=True)
-class DecodePlan:
-    """A step's single-token queries, gathered once per step for all layers."""
-
-    seqs: list[int]                 # their sequence indices in the batch
-    rows: Tensor                    # [n] their query rows
-    block_tables: Tensor            # [n, m]
-    seq_lens: Tensor                # [n]
-    max_len: int
-    staging_slots: Tensor | None    # [n]
-    own_blocks: Tensor              # [n] index in the table of the block holding the new token
-    write_blocks: Tensor            # [n] that block's id
-
-    @classmethod
-    def build(cls, meta: AttentionMetadata, block_size: int) -> DecodePlan | None:
-        seqs = [i for i, n in enumerate(meta.query_lens) if n == 1]
-        if not seqs:
-            return None
-        device = meta.block_tables.device
-        index = torch.tensor(seqs, device=device)
-        tables = meta.block_tables[index].contiguous()
-        seq_lens = meta.seq_lens_t[index].contiguous()
-        own = (seq_lens - 1) // block_size
-        slots = None if meta.staging_slots is None else meta.staging_slots[index].contiguous()
-        return cls(seqs, torch.tensor([meta.query_start_loc[i] for i in seqs], device=device),
-                   tables, seq_lens, max(meta.seq_lens[i] for i in seqs), slots, own,
-                   tables.gather(1, own[:, None]).squeeze(1))
 
 
 class PagedAttention:
@@ -151,22 +116,21 @@ class PagedAttention:
     """
 
     def __init__(self, cache: PagedKVCache, num_heads: int, scale: float, dtype: torch.dtype,
-                 fast: bool | None = None) -> None:
+                 fast: bool | None = None, staging: Staging | None = None) -> None:
         if num_heads % cache.num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of "
                              f"num_kv_heads={cache.num_kv_heads}")
         self.cache = cache
+        self.staging = staging
         self.num_heads = num_heads
         self.scale = scale
         self.dtype = dtype
         self.fast = os.environ.get(FAST_ENV, "1") != "0" if fast is None else fast
-        self.fresh: dict[int, Fresh] = {}  # the last call's prefills' full-precision K/V
         self.path_counts: Counter[str] = Counter()
         self.layer_path_counts: defaultdict[int, Counter[str]] = defaultdict(Counter)
         self.fallback_reason = self._fallback_reason()
         self.kernel_unavailable = self._kernel_unavailable()
         self._sides: dict[int, tuple[KVSide, KVSide]] = {}  # per layer, made on first use
-        self._plan: tuple[AttentionMetadata, DecodePlan | None] | None = None
 
     def _fallback_reason(self) -> str | None:
         """Why the fast quantized path cannot run (None when it can): disabled, or a KV
@@ -194,22 +158,16 @@ class PagedAttention:
         self.path_counts[path] += 1
         self.layer_path_counts[layer][path] += 1
 
-    def _decode_plan(self, meta: AttentionMetadata) -> DecodePlan | None:
-        """The step's :class:`DecodePlan`, built by its first layer call."""
-        if self._plan is None or self._plan[0] is not meta:
-            self._plan = (meta, DecodePlan.build(meta, self.cache.block_size))
-        return self._plan[1]
-
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
         """``q [T, num_heads, D]``, ``k, v [T, H_kv, D]`` -> ``[T, num_heads, D]`` in ``dtype``."""
-        plan = self._decode_plan(meta)
-        self._write(layer, k, v, meta, plan)
+        self._write(layer, k, v, meta)
         if self.fallback_reason is not None:
             self._count(layer, "reference")
             return reference_paged_attention(self.cache, layer, q, meta, self.scale, self.dtype,
-                                             self.fresh)
+                                             self.staging)
         q = q.to(self.dtype)
         out = torch.empty_like(q)
+        plan = meta.decode
         if plan is not None:
             if self.kernel_unavailable is None:
                 self._count(layer, "fused_decode")
@@ -221,65 +179,47 @@ class PagedAttention:
         if prefills:
             self._count(layer, "fast_prefill")
         for i in prefills:
-            self._prefill(layer, q, meta, i, out)
+            rows = slice(meta.query_start_loc[i], meta.query_start_loc[i] + meta.query_lens[i])
+            k, v, mask = sequence_context(self.cache, self.staging, layer, meta, i, self.dtype)
+            out[rows] = _gqa_sdpa(q[rows].unsqueeze(0), k, v, mask, self.scale).squeeze(0)
         return out
 
-    def _write(self, layer: int, k: Tensor, v: Tensor, meta: AttentionMetadata,
-               plan: DecodePlan | None) -> None:
+    def _write(self, layer: int, k: Tensor, v: Tensor, meta: AttentionMetadata) -> None:
         """Store the step's K/V: token by token, or through the staging slots (decodes at
-        once, each prefill keeping its full-precision K/V in :attr:`fresh`)."""
-        staging = self.cache.staging
-        if staging is None:
+        once; each prefill's full-precision K/V kept in ``meta.staged`` for this layer)."""
+        if self.staging is None:
             self.cache.write(layer, meta.slot_mapping, k, v)
             return
-        self.fresh = {}
-        bs = self.cache.block_size
+        plan, bs = meta.decode, self.cache.block_size
         if plan is not None:
-            staging.append_decodes(layer, plan.staging_slots, plan.seq_lens - 1,
-                                   plan.write_blocks, k[plan.rows], v[plan.rows])
+            self.staging.append_decodes(layer, plan.staging_slots, plan.seq_lens - 1,
+                                        plan.last_block_id, k[plan.rows], v[plan.rows])
+        meta.staged = {}
         for i, q_len in enumerate(meta.query_lens):
             if q_len > 1:
                 start = meta.seq_lens[i] - q_len
                 rows = slice(meta.query_start_loc[i], meta.query_start_loc[i] + q_len)
-                fresh = staging.append(layer, int(meta.staging_slots[i]), start,
-                                       meta.block_tables[i, start // bs:], k[rows], v[rows])
-                self.fresh[i] = Fresh(start // bs * bs, *fresh)
+                meta.staged[i] = self.staging.append(layer, int(meta.staging_slots[i]), start,
+                                                     meta.block_tables[i, start // bs:],
+                                                     k[rows], v[rows])
 
     def _fused_decode(self, layer: int, q: Tensor, plan: DecodePlan, out: Tensor) -> None:
-        staging = self.cache.staging
-        own = None if staging is None else (staging.buffer[0, layer], staging.buffer[1, layer],
-                                            plan.staging_slots)
+        staged = (None if self.staging is None else
+                  (*self.staging.layer_buffers(layer), plan.staging_slots))
         if layer not in self._sides:
             self._sides[layer] = tuple(describe(self.cache.layer_codecs[layer][side],
                                                 self.cache.layer_pool(side, layer))
                                        for side in ("k", "v"))
         result = decode_kernel()(q[plan.rows].float(), plan.block_tables, plan.seq_lens,
                                  *self._sides[layer], self.cache.num_kv_heads,
-                                 self.cache.block_size, self.scale, own)
+                                 self.cache.block_size, self.scale, staged)
         out[plan.rows] = result.to(self.dtype)
 
     def _decode(self, layer: int, q: Tensor, plan: DecodePlan, out: Tensor) -> None:
         """All single-token queries at once; the key-padding mask comes from seq_lens. A
-        staged cache's own blocks replace theirs from the staging slots."""
+        staged cache's last blocks come from the staging slots."""
         k, v = self.cache.read_prefix(layer, plan.block_tables, plan.max_len, self.dtype)
-        if self.cache.staging is not None:
-            bs = self.cache.block_size
-            batch = torch.arange(len(plan.seqs), device=k.device)
-            own_k, own_v = self.cache.staging.own_blocks(layer, plan.staging_slots, self.dtype)
-            k.unflatten(1, (-1, bs))[batch, plan.own_blocks] = own_k
-            v.unflatten(1, (-1, bs))[batch, plan.own_blocks] = own_v
+        if self.staging is not None:
+            self.staging.overlay(layer, k, v, plan.staging_slots, plan.last_block)
         mask = _context_mask(plan.seq_lens, 1, k.shape[1])
         out[plan.rows] = _gqa_sdpa(q[plan.rows].unsqueeze(1), k, v, mask, self.scale).squeeze(1)
-
-    def _prefill(self, layer: int, q: Tensor, meta: AttentionMetadata, i: int, out: Tensor) -> None:
-        """One prompt (chunk) attending its cached prefix and itself, causally."""
-        rows = slice(meta.query_start_loc[i], meta.query_start_loc[i] + meta.query_lens[i])
-        if self.cache.staging is None:
-            k, v = self.cache.read_prefix(layer, meta.block_tables[i:i + 1], meta.seq_lens[i],
-                                          self.dtype)
-            mask = _context_mask(meta.seq_lens_t[i:i + 1], meta.query_lens[i], k.shape[1])
-        else:
-            k, v, mask = staged_context(self.cache, layer, meta.block_tables[i:i + 1],
-                                        meta.seq_lens[i], meta.query_lens[i],
-                                        meta.staging_slots[i:i + 1], self.fresh[i], self.dtype)
-        out[rows] = _gqa_sdpa(q[rows].unsqueeze(0), k, v, mask, self.scale).squeeze(0)

@@ -64,11 +64,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         [result] = llm.generate(args.prompt, params)
     if args.json:
-        engine = llm.engine
+        stats = llm.engine.stats()
         print_json({"text": result.text, "finish_reason": result.finish_reason,
                     "prompt_tokens": len(result.prompt_token_ids),
-                    "completion_tokens": len(result.token_ids), "model": engine.model_name,
-                    "kv_dtype": {"k": engine.k_dtype, "v": engine.v_dtype}})
+                    "completion_tokens": len(result.token_ids), "model": stats.model_name,
+                    "kv_dtype": {"k": stats.k_dtype, "v": stats.v_dtype}})
     else:
         print(result.text)
     return 0

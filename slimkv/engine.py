@@ -1,137 +1,63 @@
-"""The engine: one ``step()`` schedules, runs one batched forward and samples."""
+"""The engine loop: requests in, one ``step()`` at a time, outputs out.
+
+Each step the scheduler picks the sequences to run and gives them blocks (the KV manager),
+the model runner runs them in one batched forward and samples, and the engine appends the
+sampled tokens, detokenizes and finishes what is done.
+"""
 
 from __future__ import annotations
 
 import itertools
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Hashable
 
 import torch
 
-from slimkv.attention import AttentionMetadata, PagedAttention
-from slimkv.config import Config, ConfigError
+from slimkv.config import Config
+from slimkv.engine_stats import BlockInfo, EngineStats, LaneCounts
 from slimkv.kv.block_pool import BlockPool
-from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.contiguous import ContiguousKVManager
 from slimkv.kv.manager import KVCacheManager
-from slimkv.kv.staging import Staging
-from slimkv.model import load_model
 from slimkv.outputs import Detokenizer, RequestOutput
-from slimkv.profiler import activation_peak, weight_bytes
-from slimkv.sampling import Sampler, SamplingParams
+from slimkv.runner import ModelRunner
+from slimkv.sampling import SamplingParams
 from slimkv.scheduler import Scheduler
 from slimkv.sequence import Sequence, SequenceStatus
-
-GiB = 1 << 30
 
 
 class RequestError(ValueError):
     """A request the engine cannot serve as asked (too long, empty...)."""
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-_CPU_BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``model.dtype``; ``auto`` is bfloat16 where its matmuls are native (CUDA with bf16,
-    CPUs with AVX512-BF16 or AMX: half the weight bytes per decode step), else float32."""
-    if name != "auto":
-        return getattr(torch, name)
-    if device.type == "cuda":
-        native = torch.cuda.is_bf16_supported()
-    else:
-        native = bool(_CPU_BF16_FLAGS & _cpu_flags())
-    return torch.bfloat16 if native else torch.float32
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return set()
-    return set(line.partition(":")[2].split())
-
-
-@dataclass(slots=True)
-class StepBatch:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    sample_rows: list[int]            # hidden-state row of each sequence that samples
-    sample_seqs: list[Sequence]
-
-
 class LLMEngine:
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.device = resolve_device(config.model.device)
-        self.dtype = resolve_dtype(config.model.dtype, self.device)
-        model_dtype = str(self.dtype).removeprefix("torch.")
-        self.model_args, self.model, self.tokenizer = load_model(
-            config.model.path, self.dtype, self.device)
+        self.runner = ModelRunner(config)
+        self.model_args, self.tokenizer = self.runner.model_args, self.runner.tokenizer
         self.model_name = config.model.name or self.tokenizer.name
-        args, kv = self.model_args, config.kv_cache
-        self.max_model_len = min(config.model.max_model_len or args.max_position_embeddings,
-                                 args.max_position_embeddings)
-        self.k_dtype = model_dtype if kv.key_dtype == "auto" else kv.key_dtype
-        self.v_dtype = model_dtype if kv.value_dtype == "auto" else kv.value_dtype
-        shape = dict(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
-                     head_dim=args.head_dim, k_dtype=self.k_dtype, v_dtype=self.v_dtype,
-                     k_scale=kv.k_scale, v_scale=kv.v_scale, layer_dtypes=kv.layer_dtypes)
-        self.bytes_per_token = PagedKVCache.bytes_per_token(**shape, block_size=kv.block_size)
-        # One staging slot per running sequence, plus one for score().
-        num_staging = kv.max_concurrency_soft + 1
-        self.cache = PagedKVCache(num_blocks=self._num_blocks(shape, num_staging),
-                                  block_size=kv.block_size, device=self.device,
-                                  num_staging=num_staging, staging_dtype=self.dtype, **shape)
-        num_blocks = self.cache.num_blocks
-        self.pool = BlockPool(num_blocks, kv.enable_prefix_caching and kv.paged, kv.evict_policy)
-        self.manager = (KVCacheManager(self.pool, kv.block_size, num_staging_slots=num_staging)
+        self.max_model_len = self.runner.max_model_len
+        kv = config.kv_cache
+        self.pool = BlockPool(self.runner.cache.num_blocks,
+                              kv.enable_prefix_caching and kv.paged, kv.evict_policy)
+        slots = self.runner.num_staging_slots
+        self.manager = (KVCacheManager(self.pool, kv.block_size, num_staging_slots=slots)
                         if kv.paged else
                         ContiguousKVManager(self.pool, kv.block_size, self.max_model_len,
-                                            num_staging_slots=num_staging))
+                                            num_staging_slots=slots))
         self.scheduler = Scheduler(kv, config.scheduler, self.manager)
-        self.attention = PagedAttention(self.cache, args.num_heads, args.head_dim ** -0.5,
-                                        self.dtype)
-        if kv.strict and self.attention.fallback_reason:
-            raise ConfigError(
-                f"kv_cache.strict: the {self.k_dtype}/{self.v_dtype} KV cache cannot run its "
-                f"quantized attention path on {self.device}: {self.attention.fallback_reason} "
-                "(set kv_cache.strict: false to serve on the reference path anyway)")
-        self.activation_bytes = activation_peak(
-            args, self.dtype, self.device, k_dtype=self.k_dtype, v_dtype=self.v_dtype,
-            block_size=kv.block_size, num_tokens=config.scheduler.max_num_batched_tokens,
-            num_logit_rows=kv.max_concurrency_soft, max_len=self.max_model_len)
-        self.sampler = Sampler()
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
         self.num_steps = 0
         self.finished_reasons: Counter[str] = Counter()
         self._ids = itertools.count()
-
-    def _num_blocks(self, shape: dict, num_staging: int) -> int:
-        """``kv_cache.num_blocks``, or what ``memory_gb`` holds once staging is set aside."""
-        kv = self.config.kv_cache
-        if kv.num_blocks:
-            return kv.num_blocks
-        staged = PagedKVCache.is_staged(shape["k_dtype"], shape["v_dtype"], shape["head_dim"],
-                                        kv.k_scale, kv.v_scale, kv.layer_dtypes)
-        staging = Staging.bytes(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"],
-                                kv.block_size, num_staging, self.dtype) if staged else 0
-        num_blocks = PagedKVCache.num_blocks_for_budget(
-            int(kv.memory_gb * GiB), kv.block_size, **shape, reserved_bytes=staging)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache.memory_gb={kv.memory_gb} holds no {kv.block_size}-token block")
-        return num_blocks
+        runner = self.runner
+        self._facts = dict(model_name=self.model_name, k_dtype=runner.k_dtype,
+                           v_dtype=runner.v_dtype, bytes_per_token=runner.bytes_per_token,
+                           block_size=kv.block_size, num_blocks=self.pool.num_blocks,
+                           memory=runner.memory_split(), watermark=kv.watermark,
+                           evict_policy=kv.evict_policy,
+                           max_concurrency_soft=kv.max_concurrency_soft)
 
     # -- requests ----------------------------------------------------------------------
 
@@ -174,15 +100,50 @@ class LLMEngine:
         return bool(self.requests)
 
     def memory_split(self) -> dict[str, int]:
-        """Bytes of the weights, the KV pool, its staging blocks, and the activation peak of
-        the largest step
-        (measured at start-up, see :mod:`slimkv.profiler`)."""
-        return {"weights": weight_bytes(self.model), "kv_cache": self.cache.nbytes,
-                "kv_staging": self.cache.staging_nbytes, "activations": self.activation_bytes}
+        """Bytes of the weights, the KV pool, its staging blocks and the activation peak
+        (see :meth:`ModelRunner.memory_split`)."""
+        return dict(self._facts["memory"])
+
+    def unscheduled_since(self, deadline: float) -> list[str]:
+        """Ids of waiting requests never scheduled that arrived before ``deadline``
+        (``time.monotonic()``)."""
+        return [s.request_id for s in self.scheduler.waiting
+                if s.scheduled_time is None and s.arrival_time < deadline]
+
+    # -- what the engine reports ---------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        sched, pool, manager = self.scheduler, self.pool, self.manager
+        return EngineStats(
+            **self._facts, step=self.num_steps, num_running=sched.num_running(),
+            num_waiting=sched.num_waiting(),
+            lanes={lane: LaneCounts(sched.num_running(lane), sched.num_waiting(lane))
+                   for lane in ("fast", "slow")},
+            num_free_blocks=pool.num_free_blocks, watermark_alert=sched.watermark_alert,
+            prefix_queries=manager.num_prefix_queries, prefix_hits=manager.num_prefix_hits,
+            preemptions=sched.num_preemptions, evictions=pool.num_evictions,
+            false_ooms=getattr(manager, "num_false_oom", 0),
+            attention_paths=dict(self.runner.attention.path_counts),
+            finished=dict(self.finished_reasons))
+
+    def block_map(self) -> list[BlockInfo]:
+        """Every block of the pool, in id order, with its state and holders."""
+        holders: dict[int, list[tuple[str, int]]] = {}
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            for index, block in enumerate(seq.blocks):
+                holders.setdefault(block.block_id, []).append((seq.request_id, index))
+        bs = self.manager.block_size
+        staged = {seq.blocks[seq.num_computed_tokens // bs].block_id
+                  for seq in self.scheduler.running
+                  if seq.staging_slot is not None and seq.num_computed_tokens % bs
+                  and len(seq.blocks) > seq.num_computed_tokens // bs}
+        return [BlockInfo(b.block_id, "staging" if b.block_id in staged else b.state,
+                          b.ref_cnt, tuple(holders.get(b.block_id, ())),
+                          None if b.session_head is None else str(b.session_head), b.last_used)
+                for b in self.pool.blocks]
 
     # -- the step ----------------------------------------------------------------------
 
-    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         self.num_steps += 1
         self.manager.expire_sessions()
@@ -193,19 +154,12 @@ class LLMEngine:
         for seq, _ in sched.scheduled:
             if seq.scheduled_time is None:
                 seq.scheduled_time = now
-        batch = self._prepare(sched.scheduled)
-        hidden = self._forward(batch)
-        tokens: list[int] = []
-        if batch.sample_rows:
-            logits = self.model.compute_logits(hidden[batch.sample_rows])
-            tokens = self.sampler(logits, [s.params for s in batch.sample_seqs],
-                                  [s.generator for s in batch.sample_seqs])
+        sampled = self.runner.execute(sched.scheduled)
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
             self.manager.cache_full_blocks(seq)
-        return [self._append_token(seq, tok) for seq, tok in zip(batch.sample_seqs, tokens)]
+        return [self._append_token(seq, token) for seq, token in sampled]
 
-    @torch.inference_mode()
     def score(self, token_ids: list[int], chunk: int | None = None) -> torch.Tensor:
         """Teacher-forced logits [len, vocab] at every position of ``token_ids``, through the
         same paged, quantized cache as serving (in chunks of the step budget; nothing is
@@ -220,47 +174,11 @@ class LLMEngine:
                 if not self.manager.can_allocate(seq, n):
                     raise RequestError("not enough free KV blocks to score this text now")
                 self.manager.allocate(seq, n)
-                logits.append(self.model.compute_logits(self._forward(self._prepare([(seq, n)]))))
+                logits.append(self.runner.logits(seq, n))
                 seq.num_computed_tokens += n
         finally:
             self.manager.free(seq)
         return torch.cat(logits)
-
-    def _forward(self, batch: StepBatch) -> torch.Tensor:
-        return self.model(batch.input_ids, batch.positions,
-                          lambda layer, q, k, v: self.attention(layer, q, k, v, batch.meta))
-
-    def _prepare(self, scheduled: list[tuple[Sequence, int]]) -> StepBatch:
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts, query_lens, seq_lens, tables, staging = [0], [], [], [], []
-        sample_rows, sample_seqs = [], []
-        for seq, n in scheduled:
-            start = seq.num_computed_tokens
-            ids += seq.token_ids[start:start + n]
-            positions += range(start, start + n)
-            slots += self.manager.slots(seq, start, start + n)
-            starts.append(starts[-1] + n)
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            tables.append([b.block_id for b in seq.blocks])
-            staging.append(self.manager.staging_slot(seq))
-            if start + n == seq.num_tokens:
-                sample_rows.append(starts[-1] - 1)
-                sample_seqs.append(seq)
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=starts, query_lens=query_lens, seq_lens=seq_lens,
-            block_tables=table.to(dev),
-            seq_lens_t=torch.tensor(seq_lens, dtype=torch.long, device=dev),
-            staging_slots=torch.tensor(staging, dtype=torch.long, device=dev))
-        return StepBatch(torch.tensor(ids, dtype=torch.long, device=dev),
-                         torch.tensor(positions, dtype=torch.long, device=dev),
-                         meta, sample_rows, sample_seqs)
 
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
         now = time.monotonic()

@@ -2,7 +2,7 @@
 
 Every number comes from the engine's own code, so a plan is what the engine would do:
 weights are the bytes of the engine's ``Transformer`` built under ``FakeTensorMode``
-(nothing allocated), the activation reserve is :func:`slimkv.profiler.activation_peak` of
+(nothing allocated), the activation reserve is :func:`slimkv.memory.activation_peak` of
 the largest step, and the KV pool is ``PagedKVCache.num_blocks_for_budget`` of what is
 left: the arithmetic ``LLMEngine`` uses to size its pool.
 """
@@ -20,8 +20,8 @@ import torch
 from slimkv.config import DEFAULT_K_SCALE, ConfigError
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
+from slimkv.memory import activation_peak, weight_bytes
 from slimkv.model.llama import ModelArgs, Transformer
-from slimkv.profiler import activation_peak, weight_bytes
 
 MODELS_DIR = Path(__file__).parent / "data" / "models"
 PLAN_KV_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
@@ -147,7 +147,7 @@ def _row(args: ModelArgs, kv: str, budget: int, block_size: int, context: int,
     for scoring), as the engine does."""
     shape = dict(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
                  head_dim=args.head_dim, k_dtype=kv, v_dtype=kv, k_scale=k_scale)
-    staged = PagedKVCache.is_staged(kv, kv, args.head_dim, k_scale, None)
+    staged = Staging.needed(kv, kv, args.head_dim, k_scale, None)
     staging = Staging.bytes(args.num_layers, args.num_kv_heads, args.head_dim, block_size,
                             sessions + 1, dtype) if staged else 0
     blocks = PagedKVCache.num_blocks_for_budget(budget, block_size, **shape, reserved_bytes=staging)

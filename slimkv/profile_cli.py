@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import resource
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from slimkv.cli import add_config_args, config_from_args, print_json
+from slimkv.kv.cache import PagedKVCache
+from slimkv.memory import LiveBytes
+from slimkv.sampling import SamplingParams
+from slimkv.workload import random_prompt
+
+if TYPE_CHECKING:
+    from slimkv.engine import LLMEngine
 
 MiB = 2**20
 
@@ -38,21 +49,20 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from slimkv.engine import LLMEngine
-    from slimkv.profiler import recommend, run_workload
 
     if args.sessions <= 0 or args.context <= 0:
         raise ValueError("--sessions and --context must be positive")
     engine = LLMEngine(config_from_args(args))
     measured = run_workload(engine, args.sessions, args.context)
     share, advice = recommend(engine, measured, args.sessions, args.context)
-    report = {"model": engine.model_name, "device": str(engine.device),
-              "kv_dtype": {"k": engine.k_dtype, "v": engine.v_dtype}, "sessions": args.sessions,
+    report = {"model": engine.model_name, "device": str(engine.runner.device),
+              "kv_dtype": {"k": engine.runner.k_dtype, "v": engine.runner.v_dtype}, "sessions": args.sessions,
               "context": args.context, "bytes": measured, "kv_share": share, "recommendation": advice}
     if args.json:
         print_json(report)
         return 0
     m = measured
-    print(f"{engine.model_name} on {engine.device}, KV {engine.k_dtype}/{engine.v_dtype} "
+    print(f"{engine.model_name} on {engine.runner.device}, KV {engine.runner.k_dtype}/{engine.runner.v_dtype} "
           f"(K scales {engine.config.kv_cache.k_scale}), "
           f"{args.sessions} sessions x {args.context} tokens")
     for key in ("weights", "kv_allocated", "kv_in_use", "kv_staging", "activations",
@@ -85,3 +95,64 @@ def cmd_verify(args: argparse.Namespace) -> int:
     results = verify(config, dtypes)
     print_json(results) if args.json else print(format_report(results))
     return 0 if all(r["ok"] for r in results) else 1
+
+
+def run_workload(engine: LLMEngine, sessions: int, context: int, new_tokens: int = 4) -> dict[str, Any]:
+    """Serve ``sessions`` random prompts of ``context`` tokens (``new_tokens`` generated each)
+    and return the measured memory split in bytes, with how each figure was measured."""
+    runner = engine.runner
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    prompt_len = max(1, context - new_tokens)
+    for i in range(sessions):
+        engine.add_request(random_prompt(prompt_len, engine.model_args.vocab_size, seed=i), params)
+    peak_blocks = 0
+    cuda = runner.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(runner.device)
+        torch.cuda.reset_peak_memory_stats(runner.device)
+        before = torch.cuda.memory_allocated(runner.device)
+    with LiveBytes() as tracker:
+        while engine.has_unfinished():
+            engine.step()
+            peak_blocks = max(peak_blocks, sum(len(s.blocks) for s in engine.requests.values()))
+    split = engine.memory_split()
+    if cuda:
+        activations = torch.cuda.max_memory_allocated(runner.device) - before
+        other = torch.cuda.max_memory_reserved(runner.device) - torch.cuda.max_memory_allocated(runner.device)
+        method = "CUDA caching allocator statistics (max_memory_allocated / max_memory_reserved)"
+    else:
+        activations = tracker.peak
+        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        other = max(0, peak_rss - split["weights"] - split["kv_cache"] - split["kv_staging"]
+                    - activations)
+        method = ("CPU: weights and KV pool = bytes of the engine's own tensors; activations = "
+                  "peak live bytes of tensors created during the steps (TorchDispatchMode); "
+                  "other = peak RSS minus those (Python, torch runtime; untouched pool pages "
+                  "are not resident, so it can read 0)")
+    return {"weights": split["weights"], "kv_allocated": split["kv_cache"],
+            "kv_staging": split["kv_staging"],
+            "kv_in_use": peak_blocks * runner.cache.bytes_per_block, "kv_blocks": engine.pool.num_blocks,
+            "kv_blocks_in_use": peak_blocks, "kv_bytes_per_block": runner.cache.bytes_per_block,
+            "activations": activations, "activations_startup": split["activations"],
+            "other": other, "method": method}
+
+
+def recommend(engine: LLMEngine, m: dict[str, Any], sessions: int, context: int) -> tuple[float, str]:
+    """KV share of memory in use and what to do about it, in words."""
+    runner = engine.runner
+    total = m["weights"] + m["kv_in_use"] + m["activations"] + m["other"]
+    share = m["kv_in_use"] / total
+    int8_per_token = PagedKVCache.bytes_per_token(
+        engine.model_args.num_layers, engine.model_args.num_kv_heads, engine.model_args.head_dim,
+        "int8", "int8", engine.config.kv_cache.k_scale, block_size=runner.cache.block_size)
+    kv_saving = m["kv_in_use"] * max(0.0, 1 - int8_per_token / runner.bytes_per_token) / total
+    weight_saving = m["weights"] * (1 - 1 / runner.dtype.itemsize) / total
+    head = f"KV cache is {share:.0%} of memory in use at {sessions} sessions x {context} tokens"
+    if kv_saving > weight_saving:
+        return share, (f"{head}: quantize the KV cache to int8 first (saves {kv_saving:.0%}); "
+                       f"int8 weights would save at most {weight_saving:.0%}")
+    if kv_saving > 0:
+        return share, (f"{head}: weights dominate; int8 weights would save up to "
+                       f"{weight_saving:.0%}, int8 KV {kv_saving:.0%}")
+    return share, (f"{head}; the KV cache is already {runner.k_dtype}/{runner.v_dtype}; "
+                   f"int8 weights would save at most {weight_saving:.0%}")

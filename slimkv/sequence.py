@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 from enum import Enum, auto
-from typing import Hashable
-
-import torch
+from typing import TYPE_CHECKING, Hashable
 
 from slimkv.kv.block_pool import Block
-from slimkv.sampling import SamplingParams
+from slimkv.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SequenceStatus(Enum):
@@ -38,12 +39,11 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
         self.blocks: list[Block] = []
-        self.staging_slot: int | None = None  # see KVCacheManager.staging_slot
+        self.staging_slot: int | None = None  # given by the KV manager when the cache is staged
         self.finish_reason: str | None = None
         self.output_text = ""
         self.num_emitted_chars = 0
-        self.generator = (torch.Generator().manual_seed(params.seed)
-                          if params.seed is not None else None)
+        self.generator: torch.Generator | None = None  # a seeded request's, see ModelRunner
         self.arrival_time = time.monotonic()
         self.scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -39,7 +39,8 @@ class CheckedAttention:
                  meta: AttentionMetadata) -> torch.Tensor:
         a = self.attention
         out = a(layer, q, k, v, meta)
-        ref = reference_paged_attention(a.cache, layer, q, meta, a.scale, a.dtype, a.fresh).float()
+        ref = reference_paged_attention(a.cache, layer, q, meta, a.scale, a.dtype,
+                                        a.staging).float()
         error = ((out.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
         self.errors[layer] = max(self.errors[layer], error)
         return out
@@ -47,20 +48,20 @@ class CheckedAttention:
 
 def verify_dtype(config: Config, kv_dtype: str, prompt_len: int = 40, new_tokens: int = 4) -> dict[str, Any]:
     """Serve two prompts through one engine for ``kv_dtype``; the per-layer report."""
-    from slimkv.bench.engine import random_prompt, run_until_done
     from slimkv.sampling import SamplingParams
+    from slimkv.workload import random_prompt, run_until_done
 
     blocks_per_prompt = -(-(prompt_len + new_tokens) // config.kv_cache.block_size)
     config = config.replace("kv_cache", dtype=kv_dtype, k_dtype=None, v_dtype=None,
                             layer_dtypes=None, strict=False, num_blocks=2 * blocks_per_prompt + 2)
     engine = LLMEngine(config)
-    checked = CheckedAttention(engine.attention)
-    engine.attention = checked
+    checked = CheckedAttention(engine.runner.attention)
+    engine.runner.attention = checked
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     for seed, length in enumerate((prompt_len, prompt_len // 2)):
         engine.add_request(random_prompt(length, engine.model_args.vocab_size, seed), params)
     run_until_done(engine)
-    tolerance = _TOLERANCE[engine.dtype]
+    tolerance = _TOLERANCE[engine.runner.dtype]
     layers = [{"layer": layer, "paths": dict(counts), "max_rel_error": checked.errors[layer],
                "fallback": "reference" in counts,
                "match": checked.errors[layer] <= tolerance}
@@ -71,7 +72,7 @@ def verify_dtype(config: Config, kv_dtype: str, prompt_len: int = 40, new_tokens
     ok = (ran_fast and checked.attention.fallback_reason is None
           and all(t["format_ok"] for t in pool)
           and all(layer["match"] and not layer["fallback"] for layer in layers))
-    return {"kv_dtype": kv_dtype, "ok": ok, "device": str(engine.device),
+    return {"kv_dtype": kv_dtype, "ok": ok, "device": str(engine.runner.device),
             "fallback_reason": checked.attention.fallback_reason, "tolerance": tolerance,
             "decode_kernel_unavailable": checked.attention.kernel_unavailable,
             "pool": pool, "layers": layers}
@@ -79,9 +80,9 @@ def verify_dtype(config: Config, kv_dtype: str, prompt_len: int = 40, new_tokens
 
 def _pool_report(engine: LLMEngine) -> list[dict[str, Any]]:
     """Storage dtype and bytes of each pool tensor; data tensors must use the codec format."""
-    configured = {"k": engine.k_dtype, "v": engine.v_dtype}
+    configured = {"k": engine.runner.k_dtype, "v": engine.runner.v_dtype}
     report = []
-    for name, t in engine.cache.tensors().items():
+    for name, t in engine.runner.cache.tensors().items():
         side, field = name.split("_", 1)
         expected = make_codec(configured[side], engine.model_args.head_dim).storage_dtype
         report.append({"tensor": name, "dtype": str(t.dtype).removeprefix("torch."),

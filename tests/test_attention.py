@@ -74,6 +74,7 @@ def _step(cache: PagedKVCache, seqs: list[Sequence], batch: list[tuple[int, int]
         block_tables=torch.tensor([seq.blocks + [0] * (max_blocks - len(seq.blocks))
                                    for seq in seqs]),
         seq_lens_t=torch.tensor(seq_lens),
+        block_size=BLOCK_SIZE,
     )
     q, k, v = (torch.cat([getattr(seq, name)[s:e] for seq, (s, e) in zip(seqs, ranges)])
                for name in "qkv")

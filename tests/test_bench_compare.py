@@ -63,4 +63,4 @@ def test_workloads_run_on_the_engine_and_leave_the_pool_free() -> None:
     assert set(steps) == {"b2", "b4"} and all(ms > 0 for ms in steps.values())
     assert decode_rate(engine, 2, 8, 4) > 0 and prefill_rate(engine, 30) > 0
     assert not engine.has_unfinished() and engine.pool.num_free_blocks == total
-    assert engine.attention.path_counts["fused_decode"] > 0
+    assert engine.stats().attention_paths["fused_decode"] > 0

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from slimkv.config import Config
-from slimkv.engine import RequestError, resolve_dtype
+from slimkv.engine import RequestError
+from slimkv.runner import resolve_dtype
 from slimkv.llm import LLM
 from slimkv.sampling import SamplingParams
 
@@ -220,11 +221,11 @@ def test_paged_admits_what_contiguous_refuses_in_the_same_memory():
 
 
 def test_auto_model_dtype_is_bfloat16_only_where_native(monkeypatch: pytest.MonkeyPatch) -> None:
-    import slimkv.engine as engine_module
+    import slimkv.runner as runner_module
 
     cpu = torch.device("cpu")
     assert resolve_dtype("float32", cpu) == torch.float32
-    monkeypatch.setattr(engine_module, "_cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    monkeypatch.setattr(runner_module, "_cpu_flags", lambda: {"avx2", "avx512_bf16"})
     assert resolve_dtype("auto", cpu) == torch.bfloat16
-    monkeypatch.setattr(engine_module, "_cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(runner_module, "_cpu_flags", lambda: {"avx2", "fma"})
     assert resolve_dtype("auto", cpu) == torch.float32

@@ -8,6 +8,7 @@ import torch
 from slimkv import kernels
 from slimkv.attention import AttentionMetadata, PagedAttention, reference_paged_attention
 from slimkv.kv.cache import PagedKVCache
+from slimkv.kv.staging import Staging
 
 BLOCK_SIZE, NUM_KV_HEADS, NUM_HEADS = 16, 3, 9
 # (k dtype, v dtype, k_scale): every KV format the kernel decodes, staged and not.
@@ -20,18 +21,20 @@ FORMATS = [("float32", "float32", "per_token"), ("bfloat16", "bfloat16", "per_to
 
 def _decode_step(k_dtype: str, v_dtype: str, k_scale: str, head_dim: int, lens: list[int],
                  model_dtype: torch.dtype, layer: int = 0, layer_dtypes: dict | None = None
-                 ) -> tuple[PagedKVCache, tuple, AttentionMetadata]:
-    """A cache holding ``lens[i] - 1`` tokens of each sequence in ``layer`` (block tables
-    shuffled and padded), and the step that decodes one more token for each."""
+                 ) -> tuple[PagedKVCache, Staging | None, tuple, AttentionMetadata]:
+    """A cache (and its staging, for per-block scales) holding ``lens[i] - 1`` tokens of each
+    sequence in ``layer`` (block tables shuffled and padded), and the step that decodes one
+    more token for each."""
     gen = torch.Generator().manual_seed(head_dim + len(lens))
     num_blocks = sum(-(-n // BLOCK_SIZE) for n in lens) + 1
     cache = PagedKVCache(num_layers=layer + 1, num_blocks=num_blocks, block_size=BLOCK_SIZE,
                          num_kv_heads=NUM_KV_HEADS, head_dim=head_dim, k_dtype=k_dtype,
                          v_dtype=v_dtype, device=torch.device("cpu"), k_scale=k_scale,
-                         num_staging=len(lens), staging_dtype=model_dtype,
                          layer_dtypes=layer_dtypes)
+    staging = Staging(cache, len(lens), model_dtype) if cache.block_scaled else None
     order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    tables, prefill = [], PagedAttention(cache, NUM_HEADS, head_dim ** -0.5, model_dtype)
+    tables = []
+    prefill = PagedAttention(cache, NUM_HEADS, head_dim ** -0.5, model_dtype, staging=staging)
     for i, n in enumerate(lens):
         num = -(-n // BLOCK_SIZE)
         blocks, order = order[:num], order[num:]
@@ -42,28 +45,22 @@ def _decode_step(k_dtype: str, v_dtype: str, k_scale: str, head_dim: int, lens: 
         q, k, v = (torch.randn(n - 1, h, head_dim, generator=gen, dtype=model_dtype) * 2
                    for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
         prefill(layer, q, k, v, meta)
-    width = max(map(len, tables))
-    meta = _meta([1] * len(lens), lens, [t + [0] * (width - len(t)) for t in tables],
-                 list(range(len(lens))))
+    meta = _meta([1] * len(lens), lens, tables, list(range(len(lens))))
     step = tuple(torch.randn(len(lens), h, head_dim, generator=gen, dtype=model_dtype) * 2
                  for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
-    return cache, step, meta
+    return cache, staging, step, meta
 
 
 def _meta(query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
           slots: list[int]) -> AttentionMetadata:
-    slot_mapping = [t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
-                    for t, q, s in zip(tables, query_lens, seq_lens) for p in range(s - q, s)]
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slot_mapping), query_lens=query_lens, seq_lens=seq_lens,
-        query_start_loc=[0, *torch.tensor(query_lens).cumsum(0).tolist()],
-        block_tables=torch.tensor(tables), seq_lens_t=torch.tensor(seq_lens),
-        staging_slots=torch.tensor(slots))
+    return AttentionMetadata.build(BLOCK_SIZE, tables, query_lens, seq_lens,
+                                   torch.device("cpu"), slots)
 
 
-def _decode(cache: PagedKVCache, step: tuple, meta: AttentionMetadata, model_dtype: torch.dtype,
-            kernel: bool, layer: int = 0) -> tuple[torch.Tensor, PagedAttention]:
-    attn = PagedAttention(cache, NUM_HEADS, cache.head_dim ** -0.5, model_dtype)
+def _decode(cache: PagedKVCache, staging: Staging | None, step: tuple, meta: AttentionMetadata,
+            model_dtype: torch.dtype, kernel: bool,
+            layer: int = 0) -> tuple[torch.Tensor, PagedAttention]:
+    attn = PagedAttention(cache, NUM_HEADS, cache.head_dim ** -0.5, model_dtype, staging=staging)
     if not kernel:
         attn.kernel_unavailable = "disabled by the test"
     return attn(layer, *step, meta), attn
@@ -74,36 +71,40 @@ def _decode(cache: PagedKVCache, step: tuple, meta: AttentionMetadata, model_dty
 def test_fused_decode_equals_sdpa_and_reference(k_dtype: str, v_dtype: str, k_scale: str,
                                                 head_dim: int) -> None:
     lens = [1, 16, 17, 40, 100]  # a lone token, a block edge, block + 1, partial blocks
-    cache, step, meta = _decode_step(k_dtype, v_dtype, k_scale, head_dim, lens, torch.float32)
+    cache, staging, step, meta = _decode_step(k_dtype, v_dtype, k_scale, head_dim, lens,
+                                              torch.float32)
     state = {name: t.clone() for name, t in cache.tensors().items()}
-    fused, attn = _decode(cache, step, meta, torch.float32, kernel=True)
+    fused, attn = _decode(cache, staging, step, meta, torch.float32, kernel=True)
     assert attn.path_counts == {"fused_decode": 1}
     for name, t in cache.tensors().items():  # rewind the step's write for the second run
         t.copy_(state[name])
-    sdpa, other = _decode(cache, step, meta, torch.float32, kernel=False)
+    sdpa, other = _decode(cache, staging, step, meta, torch.float32, kernel=False)
     assert other.path_counts == {"fast_decode": 1}
     reference = reference_paged_attention(cache, 0, step[0], meta, head_dim ** -0.5,
-                                          torch.float32)
+                                          torch.float32, staging)
     torch.testing.assert_close(fused, sdpa, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
 
 
 def test_fused_decode_in_bfloat16_model_dtype() -> None:
-    cache, step, meta = _decode_step("int8", "int8", "per_channel_block", 64, [5, 33],
-                                     torch.bfloat16)
-    fused, attn = _decode(cache, step, meta, torch.bfloat16, kernel=True)
-    reference = reference_paged_attention(cache, 0, step[0], meta, 64 ** -0.5, torch.bfloat16)
+    cache, staging, step, meta = _decode_step("int8", "int8", "per_channel_block", 64, [5, 33],
+                                              torch.bfloat16)
+    fused, attn = _decode(cache, staging, step, meta, torch.bfloat16, kernel=True)
+    reference = reference_paged_attention(cache, 0, step[0], meta, 64 ** -0.5, torch.bfloat16,
+                                          staging)
     assert attn.path_counts == {"fused_decode": 1} and fused.dtype == torch.bfloat16
     torch.testing.assert_close(fused.float(), reference.float(), rtol=0, atol=2e-2)
 
 
 def test_fused_decode_reads_each_layer_with_its_own_codec() -> None:
     """kv_cache.layer_dtypes: layer 1 stored in int4 while the default is int8."""
-    cache, step, meta = _decode_step("int8", "int8", "per_channel_block", 64, [7, 40],
-                                     torch.float32, layer=1, layer_dtypes={"int4": [1]})
+    cache, staging, step, meta = _decode_step("int8", "int8", "per_channel_block", 64, [7, 40],
+                                              torch.float32, layer=1,
+                                              layer_dtypes={"int4": [1]})
     assert cache.layer_codecs[1]["k"].name == "int4"
-    fused, attn = _decode(cache, step, meta, torch.float32, kernel=True, layer=1)
-    reference = reference_paged_attention(cache, 1, step[0], meta, 64 ** -0.5, torch.float32)
+    fused, attn = _decode(cache, staging, step, meta, torch.float32, kernel=True, layer=1)
+    reference = reference_paged_attention(cache, 1, step[0], meta, 64 ** -0.5, torch.float32,
+                                          staging)
     assert attn.path_counts == {"fused_decode": 1}
     torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
 
@@ -114,8 +115,9 @@ def test_without_a_compiler_decodes_on_sdpa_and_says_why(monkeypatch: pytest.Mon
     monkeypatch.setenv("PATH", str(tmp_path))
     kernels._build.cache_clear()
     try:
-        cache, step, meta = _decode_step("int8", "int8", "per_token", 64, [20], torch.float32)
-        out, attn = _decode(cache, step, meta, torch.float32, kernel=True)
+        cache, staging, step, meta = _decode_step("int8", "int8", "per_token", 64, [20],
+                                                  torch.float32)
+        out, attn = _decode(cache, staging, step, meta, torch.float32, kernel=True)
         assert "no C compiler" in attn.kernel_unavailable
         assert attn.path_counts == {"fast_decode": 1} and out.isfinite().all()
     finally:

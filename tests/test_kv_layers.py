@@ -10,6 +10,7 @@ import torch
 from slimkv.config import Config, ConfigError
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.layers import side_codec
+from slimkv.kv.staging import Staging
 from slimkv.llm import LLM
 from slimkv.sampling import SamplingParams
 
@@ -56,7 +57,7 @@ def test_mixed_cache_allocates_exactly() -> None:
     assert tensors["k_data[int8]"].shape[0] == 1 and tensors["k_data[int4]"].shape[0] == 2
     assert tensors["v_data[float32]"].dtype == torch.float32
     assert {c.name for c in cache.all_codecs()} == {"int4", "int8", "float32"}
-    assert cache.staging is None
+    assert not cache.block_scaled
 
 
 def test_mixed_cache_round_trips_each_layer_through_its_codec() -> None:
@@ -78,10 +79,9 @@ def test_staged_when_any_layer_has_block_scales() -> None:
     cache = PagedKVCache(num_layers=2, num_blocks=3, block_size=4, num_kv_heads=1, head_dim=64,
                          k_dtype="float32", v_dtype="float32", device=torch.device("cpu"),
                          k_scale="per_channel_block", layer_dtypes={"int4": [1]})
-    assert cache.staging is not None
-    assert PagedKVCache.is_staged("float32", "float32", 64, "per_channel_block", None,
-                                  {"int4": [1]})
-    assert not PagedKVCache.is_staged("float32", "float32", 64, "per_channel_block", None)
+    assert cache.block_scaled
+    assert Staging.needed("float32", "float32", 64, "per_channel_block", None, {"int4": [1]})
+    assert not Staging.needed("float32", "float32", 64, "per_channel_block", None)
 
 
 @pytest.mark.parametrize("value, message", [
@@ -116,11 +116,11 @@ def test_engine_with_a_mix_generates() -> None:
                               layer_dtypes={"int8": [0, 29], "float32": [5]})
     llm = LLM(config)
     engine = llm.engine
-    assert engine.bytes_per_token == PagedKVCache.bytes_per_token(
+    assert engine.runner.bytes_per_token == PagedKVCache.bytes_per_token(
         **SMOLLM2, k_dtype="int4", v_dtype="int4", k_scale=config.kv_cache.k_scale,
         layer_dtypes=config.kv_cache.layer_dtypes)
-    assert engine.cache.nbytes == 64 * engine.cache.bytes_per_block
+    assert engine.runner.cache.nbytes == 64 * engine.runner.cache.bytes_per_block
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     [result] = llm.generate("The capital of France is", params)
     assert len(result.token_ids) == 20
-    assert engine.attention.fallback_reason is None
+    assert engine.runner.attention.fallback_reason is None

@@ -84,27 +84,32 @@ def _cache(k_dtype: str, k_scale: str, v_scale: str) -> PagedKVCache:
     return PagedKVCache(num_layers=2, num_blocks=NUM_BLOCKS, block_size=BLOCK,
                         num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, k_dtype=k_dtype,
                         v_dtype=k_dtype, device=torch.device("cpu"), k_scale=k_scale,
-                        v_scale=v_scale, num_staging=SLOTS)
+                        v_scale=v_scale)
+
+
+def _staged(k_dtype: str, k_scale: str, v_scale: str) -> tuple[PagedKVCache, Staging]:
+    cache = _cache(k_dtype, k_scale, v_scale)
+    return cache, Staging(cache, SLOTS, torch.float32)
 
 
 @pytest.mark.parametrize("name,k_scale,v_scale", SCHEMES)
 def test_staging_hands_over_at_exactly_block_size_tokens(name: str, k_scale: str,
                                                          v_scale: str) -> None:
-    cache = _cache(name, k_scale, v_scale)
+    cache, staging = _staged(name, k_scale, v_scale)
     x = _keys(1)[0]
     before = cache.tensors()["k_data"][1, 5].clone()
     blocks = torch.tensor([5])
     for t in range(BLOCK - 1):
-        cache.staging.append(1, 2, t, blocks, x[t:t + 1], -x[t:t + 1])
+        staging.append(1, 2, t, blocks, x[t:t + 1], -x[t:t + 1])
         assert torch.equal(cache.tensors()["k_data"][1, 5], before)  # still staged only
-    cache.staging.append(1, 2, BLOCK - 1, blocks, x[-1:], -x[-1:])
+    staging.append(1, 2, BLOCK - 1, blocks, x[-1:], -x[-1:])
     expected = cache.codecs["k"].quantize(x[None])
     assert torch.equal(cache.tensors()["k_data"][1, 5], expected.data[0])
     for aux, t in expected.aux.items():
         assert torch.equal(cache.tensors()[f"k_{aux}"][1, 5], t[0])
     k, v = cache.read(1, blocks, torch.float32)
     assert torch.equal(k, cache.codecs["k"].dequantize(expected, torch.float32)[0])
-    own_k, own_v = cache.staging.own_blocks(1, torch.tensor([2]), torch.float32)
+    own_k, own_v = staging.blocks(1, torch.tensor([2]), torch.float32)
     assert torch.equal(own_k[0], x) and torch.equal(own_v[0], -x)  # the full block stays staged
 
 
@@ -118,8 +123,8 @@ def _run(name: str, lengths: list[int], schedule: list[list[int]], fast: bool) -
     """Attention outputs ``[sum(lengths), HEADS, D]`` of sequences fed in steps: step ``j``
     gives sequence ``i`` ``schedule[i][j]`` tokens (all sequences in one batch per step)."""
     gen = torch.Generator().manual_seed(1)
-    cache = _cache(name, "per_channel_block", "per_token")
-    attn = PagedAttention(cache, HEADS, SCALE, torch.float32, fast=fast)
+    cache, staging = _staged(name, "per_channel_block", "per_token")
+    attn = PagedAttention(cache, HEADS, SCALE, torch.float32, fast=fast, staging=staging)
     qkv = [[torch.randn(n, h, HEAD_DIM, generator=gen) * 3 for h in (HEADS, KV_HEADS, KV_HEADS)]
            for n in lengths]
     blocks = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(len(lengths))]  # padded tables
@@ -128,11 +133,8 @@ def _run(name: str, lengths: list[int], schedule: list[list[int]], fast: bool) -
         step = [(i, s[j]) for i, s in enumerate(schedule) if j < len(s)]
         lens = [n for _, n in step]
         seq_lens = [done[i] + n for i, n in step]
-        meta = AttentionMetadata(
-            slot_mapping=torch.zeros(0, dtype=torch.long),
-            query_start_loc=[0, *torch.tensor(lens).cumsum(0).tolist()], query_lens=lens,
-            seq_lens=seq_lens, block_tables=torch.tensor([blocks[i] for i, _ in step]),
-            seq_lens_t=torch.tensor(seq_lens), staging_slots=torch.tensor([i for i, _ in step]))
+        meta = AttentionMetadata.build(BLOCK, [blocks[i] for i, _ in step], lens, seq_lens,
+                                       torch.device("cpu"), [i for i, _ in step])
         q, k, v = (torch.cat([qkv[i][f][done[i]:done[i] + n] for i, n in step]) for f in range(3))
         out = attn(1, q, k, v, meta)
         for (i, n), rows in zip(step, out.split(lens)):
@@ -153,15 +155,13 @@ def test_staged_chunking_invariance_and_fast_equals_reference(name: str) -> None
 
 @pytest.mark.parametrize("name,k_scale,v_scale", SCHEMES)
 def test_bytes_match_allocation(name: str, k_scale: str, v_scale: str) -> None:
-    cache = _cache(name, k_scale, v_scale)
+    cache, staging = _staged(name, k_scale, v_scale)
     shape = dict(num_layers=2, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, k_dtype=name,
                  v_dtype=name, k_scale=k_scale, v_scale=v_scale)
     assert cache.nbytes == NUM_BLOCKS * PagedKVCache.block_bytes(**shape, block_size=BLOCK)
-    assert cache.staging_nbytes == Staging.bytes(2, KV_HEADS, HEAD_DIM, BLOCK, SLOTS,
-                                                 torch.float32)
+    assert staging.nbytes == Staging.bytes(2, KV_HEADS, HEAD_DIM, BLOCK, SLOTS, torch.float32)
     assert PagedKVCache.num_blocks_for_budget(
-        cache.nbytes + cache.staging_nbytes, BLOCK, **shape,
-        reserved_bytes=cache.staging_nbytes) == NUM_BLOCKS
+        cache.nbytes + staging.nbytes, BLOCK, **shape, reserved_bytes=staging.nbytes) == NUM_BLOCKS
 
 
 def test_planner_accounts_for_block_scales_and_staging() -> None:
@@ -204,7 +204,7 @@ def test_prefix_hits_on_quantized_blocks_equal_cold_prefill() -> None:
     assert hit.num_cached_tokens == 32  # two full quantized blocks
     cold = generate(LLMEngine(config))
     assert hit.output_token_ids == cold
-    assert warm.memory_split()["kv_staging"] == warm.cache.staging_nbytes > 0
+    assert warm.memory_split()["kv_staging"] == warm.runner.staging.nbytes > 0
 
 
 @pytest.mark.slow

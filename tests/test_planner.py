@@ -88,10 +88,10 @@ def test_plan_matches_the_engine_for_smollm2() -> None:
     engine = LLMEngine(config)
     split = engine.memory_split()
     p = plan("smollm2-135m", split["weights"] + split["activations"] + int(0.125 * GiB),
-             weight_dtype=config.model.dtype, kv_dtypes=(engine.k_dtype,),
+             weight_dtype=config.model.dtype, kv_dtypes=(engine.runner.k_dtype,),
              sessions=config.kv_cache.max_concurrency_soft,
              batch_tokens=config.scheduler.max_num_batched_tokens)
     assert p.weights == split["weights"]
     assert p.activation_reserve == split["activations"]
     assert abs(p.rows[0].num_blocks - engine.pool.num_blocks) <= 1
-    assert p.rows[0].bytes_per_token == engine.bytes_per_token
+    assert p.rows[0].bytes_per_token == engine.runner.bytes_per_token

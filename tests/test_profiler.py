@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from slimkv.config import Config
-from slimkv.profiler import LiveBytes, recommend, run_workload
+from slimkv.memory import LiveBytes
+from slimkv.profile_cli import recommend, run_workload
 
 
 def test_live_bytes_counts_new_storages_once_and_ignores_old_ones() -> None:
@@ -33,10 +34,10 @@ def test_profile_kv_bytes_int8_vs_bfloat16() -> None:
                                                           "k_scale": "per_token"},
                                              "scheduler": {"max_num_batched_tokens": 128}}))
         m = run_workload(engine, sessions=2, context=48)
-        assert m["kv_allocated"] == engine.pool.num_blocks * engine.cache.bytes_per_block
+        assert m["kv_allocated"] == engine.pool.num_blocks * engine.runner.cache.bytes_per_block
         assert m["kv_allocated"] == engine.memory_split()["kv_cache"]
-        assert m["kv_in_use"] == m["kv_blocks_in_use"] * engine.cache.bytes_per_block
-        assert m["kv_blocks_in_use"] == 2 * -(-48 // engine.cache.block_size)
+        assert m["kv_in_use"] == m["kv_blocks_in_use"] * engine.runner.cache.bytes_per_block
+        assert m["kv_blocks_in_use"] == 2 * -(-48 // engine.runner.cache.block_size)
         assert m["weights"] > 0 and m["activations"] > 0 and m["activations_startup"] > 0
         share, advice = recommend(engine, m, 2, 48)
         assert 0 < share < 1 and "KV cache is" in advice

@@ -14,11 +14,12 @@ import math
 import time
 from typing import Any
 
-from slimkv.bench.engine import machine_info, random_prompt, run_until_done
+from slimkv.bench.engine import machine_info
 from slimkv.bench.peers import Peers
 from slimkv.config import Config
 from slimkv.engine import LLMEngine
 from slimkv.sampling import SamplingParams
+from slimkv.workload import random_prompt, run_until_done
 
 # Ratio -> (target, True when higher is better), as the issue states them.
 TARGETS = {
@@ -131,7 +132,7 @@ def bench_slimkv(config: Config, kv_dtypes: list[str], context: int, steps: int,
                "decode_d2048_tok_s": decode_rate(engine, 1, 2048, 128),
                "prefill_512_tok_s": prefill_rate(engine, 512),
                "prefill_2048_tok_s": prefill_rate(engine, 2048),
-               "decode_path": dict(engine.attention.path_counts)}
+               "decode_path": dict(engine.stats().attention_paths)}
         if progress:
             print(f"slimkv {kv}: {row}", flush=True)
         out[kv] = row

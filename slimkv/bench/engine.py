@@ -12,17 +12,7 @@ import torch
 from slimkv.config import Config
 from slimkv.engine import LLMEngine
 from slimkv.sampling import SamplingParams
-
-
-def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
-    """Seeded random token ids, away from the special tokens at the start of the vocab."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(256, vocab, (length,), generator=gen).tolist()
-
-
-def run_until_done(engine: LLMEngine) -> None:
-    while engine.has_unfinished():
-        engine.step()
+from slimkv.workload import random_prompt, run_until_done
 
 
 def measure_prefill(engine: LLMEngine, length: int) -> float:
@@ -54,7 +44,7 @@ def bench_engine(config: Config, kv_dtypes: list[str], prompt_lens: list[int],
                              layer_dtypes=None, enable_prefix_caching=False, watermark=1.0,
                              max_concurrency_soft=max(batches))
         engine = LLMEngine(cfg)
-        row: dict[str, Any] = {"bytes_per_token": engine.bytes_per_token}
+        row: dict[str, Any] = {"bytes_per_token": engine.stats().bytes_per_token}
         measure_prefill(engine, 16)  # warm-up
         for length in prompt_lens:
             row[f"prefill_{length}_tok_s"] = round(measure_prefill(engine, length), 1)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from slimkv.bench.engine import machine_info, random_prompt
+from slimkv.bench.engine import machine_info
 from slimkv.config import Config
 from slimkv.engine import LLMEngine
 from slimkv.sampling import SamplingParams
 from slimkv.stats import percentile
+from slimkv.workload import random_prompt
 
 
 def run_lanes(config: Config, policy: str, long_tokens: int, num_short: int,
@@ -50,11 +51,12 @@ def run_paging(config: Config, paged: bool, prompt_lens: list[int]) -> dict[str,
     while engine.has_unfinished():
         engine.step()
         steps += 1
-        peak_running = max(peak_running, engine.scheduler.num_running())
-        peak_used = max(peak_used, engine.pool.num_blocks - engine.pool.num_free_blocks)
+        stats = engine.stats()
+        peak_running = max(peak_running, stats.num_running)
+        peak_used = max(peak_used, stats.num_blocks_used)
     return {"paged": paged, "requests": len(prompt_lens), "peak_running": peak_running,
-            "peak_blocks_reserved": peak_used, "pool_blocks": engine.pool.num_blocks,
-            "false_oom": getattr(engine.manager, "num_false_oom", 0), "steps": steps}
+            "peak_blocks_reserved": peak_used, "pool_blocks": stats.num_blocks,
+            "false_oom": stats.false_ooms, "steps": steps}
 
 
 def bench_scheduling(config: Config, long_tokens: int = 4096, num_short: int = 16,

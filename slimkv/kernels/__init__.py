@@ -91,17 +91,18 @@ class DecodeKernel:
 
     def __call__(self, q: Tensor, block_tables: Tensor, seq_lens: Tensor, k: KVSide, v: KVSide,
                  num_kv_heads: int, block_size: int, scale: float,
-                 own: tuple[Tensor, Tensor, Tensor] | None) -> Tensor:
+                 staged: tuple[Tensor, Tensor, Tensor] | None) -> Tensor:
         """``q [B, Hq, D]`` float32 over the blocks of ``block_tables [B, m]`` (int64) up to
-        ``seq_lens [B]``; ``own``: (staged K, staged V ``[slots, block_size, H, D]``, slot per
-        sequence ``[B]``) for a staged cache, whose last block is read from there."""
+        ``seq_lens [B]``; ``staged``: (staged K, staged V ``[slots, block_size, H, D]``, slot
+        per sequence ``[B]``) for a staged cache (:mod:`slimkv.kv.staging`), whose last
+        block is read from there."""
         batch, num_heads, head_dim = q.shape
         out = torch.empty_like(q)
-        own_k, own_v, slots = own if own is not None else (None, None, None)
-        own_kind = _KIND[own_k.dtype] if own_k is not None else 0
+        staged_k, staged_v, slots = staged if staged is not None else (None, None, None)
+        staged_kind = _KIND[staged_k.dtype] if staged_k is not None else 0
         self._fn(q.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size,
                  block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(),
-                 ctypes.byref(k), ctypes.byref(v), _ptr(own_k), _ptr(own_v), own_kind,
+                 ctypes.byref(k), ctypes.byref(v), _ptr(staged_k), _ptr(staged_v), staged_kind,
                  _ptr(slots), scale)
         return out
 

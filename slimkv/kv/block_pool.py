@@ -43,6 +43,16 @@ class Block:
         self.prev_free: Block | None = None
         self.next_free: Block | None = None
 
+    @property
+    def state(self) -> str:
+        """``in_use`` while a sequence holds it; a free block is a ``pinned`` session head,
+        ``cached`` (prefix-indexed, evicted when handed out again) or ``free``."""
+        if self.ref_cnt > 0:
+            return "in_use"
+        if self.session_head is not None:
+            return "pinned"
+        return "cached" if self.block_hash is not None else "free"
+
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref={self.ref_cnt})"
 

@@ -8,9 +8,9 @@ at slot ``b * block_size + offset``. Reads gather and dequantize only the reques
 With ``layer_dtypes`` (per-layer mixed precision, :mod:`slimkv.kv.layers`) the layers of each
 dtype have their own tensors, whose leading axis runs over those layers only.
 
-A codec with per-block scales can only quantize full blocks, so such a cache is *staged*:
-each running sequence owns a staging slot holding its last block in full precision
-(:class:`slimkv.kv.staging.Staging`), written into the pool once the block is full.
+A codec with per-block scales can only quantize full blocks: such a cache takes whole
+blocks only (:meth:`PagedKVCache.write_blocks`), from the staging slots in front of it
+(:mod:`slimkv.kv.staging`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from slimkv.kv.layers import LayerDtypes, dtype_pairs, layer_codecs, side_codec
+from slimkv.kv.layers import LayerDtypes, layer_codecs, side_codec
 from slimkv.kv.quant import AUX_DTYPE, KVCodec, QuantizedKV
-from slimkv.kv.staging import Staging
 
 _SIDES = ("k", "v")
 
@@ -49,8 +48,7 @@ class PagedKVCache:
 
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, k_dtype: str, v_dtype: str, device: torch.device,
-                 k_scale: str = "per_token", v_scale: str | None = None, num_staging: int = 1,
-                 staging_dtype: torch.dtype = torch.float32,
+                 k_scale: str = "per_token", v_scale: str | None = None,
                  layer_dtypes: LayerDtypes | None = None) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
@@ -68,8 +66,7 @@ class PagedKVCache:
         self._groups = self._group_layers()
         self._where = {layer: (group, i) for group in self._groups
                        for i, layer in enumerate(group.layers)}
-        staged = self.is_staged(k_dtype, v_dtype, head_dim, k_scale, v_scale, layer_dtypes)
-        self.staging = Staging(self, num_staging, staging_dtype) if staged else None
+        self.block_scaled = any(codec.block_aux_widths for codec in self.all_codecs())
 
     def _group_layers(self) -> list[_LayerGroup]:
         """One group per distinct codec pair (``layer_codecs`` shares one dict per pair)."""
@@ -81,15 +78,6 @@ class PagedKVCache:
             group.pools = {side: self._allocate(codec, len(group.layers))
                            for side, codec in group.codecs.items()}
         return list(groups.values())
-
-    @staticmethod
-    def is_staged(k_dtype: str, v_dtype: str, head_dim: int, k_scale: str | None,
-                  v_scale: str | None, layer_dtypes: LayerDtypes | None = None) -> bool:
-        """Whether a codec has per-block scales, so that partial blocks need staging (the
-        default dtypes count even when ``layer_dtypes`` overrides every layer)."""
-        return any(side_codec(k, head_dim, k_scale).block_aux_widths
-                   or side_codec(v, head_dim, v_scale).block_aux_widths
-                   for k, v in dtype_pairs(k_dtype, v_dtype, layer_dtypes))
 
     def _allocate(self, codec: KVCodec, num_layers: int) -> QuantizedKV:
         lead = (num_layers, self.num_blocks)
@@ -124,7 +112,7 @@ class PagedKVCache:
                         block_size: int = 16, layer_dtypes: LayerDtypes | None = None) -> float:
         """Bytes one token occupies in the pool: :meth:`block_bytes` / ``block_size`` (an
         integer whenever per-block scales divide evenly; staging is not per token, see
-        :meth:`Staging.bytes`)."""
+        :meth:`slimkv.kv.staging.Staging.bytes`)."""
         per_block = cls.block_bytes(num_layers, num_kv_heads, head_dim, k_dtype, v_dtype,
                                     k_scale, v_scale, block_size, layer_dtypes)
         return per_block // block_size if per_block % block_size == 0 else per_block / block_size
@@ -152,10 +140,6 @@ class PagedKVCache:
         """Bytes actually allocated, summed over every pool tensor (staging apart)."""
         return sum(t.nbytes for t in self.tensors().values())
 
-    @property
-    def staging_nbytes(self) -> int:
-        return 0 if self.staging is None else self.staging.buffer.nbytes
-
     def all_codecs(self) -> list[KVCodec]:
         """Every distinct codec the cache stores (K and V of every layer group)."""
         return [codec for group in self._groups for codec in group.codecs.values()]
@@ -180,8 +164,9 @@ class PagedKVCache:
 
     def write(self, layer: int, slot_mapping: Tensor, k: Tensor, v: Tensor) -> None:
         """Quantize ``k``/``v`` ``[T, H, D]`` and store token ``t`` at ``slot_mapping[t]``
-        (per-token scales only: a staged cache takes whole blocks, see :meth:`write_blocks`)."""
-        if self.staging is not None:
+        (per-token scales only: a cache with per-block scales takes whole blocks, see
+        :meth:`write_blocks`)."""
+        if self.block_scaled:
             raise RuntimeError("a cache with per-block scales is written block by block")
         for side, x in zip(_SIDES, (k, v)):
             encoded = self.layer_codecs[layer][side].quantize(x)

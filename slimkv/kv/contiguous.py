@@ -16,7 +16,7 @@ from slimkv.sequence import Sequence
 
 class ContiguousKVManager(KVCacheManager):
     def __init__(self, pool: BlockPool, block_size: int, max_model_len: int,
-                 num_staging_slots: int = 1) -> None:
+                 num_staging_slots: int = 0) -> None:
         super().__init__(pool, block_size, num_staging_slots=num_staging_slots)
         self.reserve_blocks = -(-max_model_len // block_size)
         self.false_oom_requests: set[str] = set()
@@ -44,6 +44,7 @@ class ContiguousKVManager(KVCacheManager):
         return False
 
     def allocate(self, seq: Sequence, num_new_tokens: int, computed: list[Block] = ()) -> None:
+        self._assign_staging_slot(seq)
         if not seq.blocks:
             start = self._find_run()
             run = self.pool.blocks[start:start + self.reserve_blocks]

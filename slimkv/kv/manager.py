@@ -27,8 +27,9 @@ class KVCacheManager:
     """
 
     def __init__(self, pool: BlockPool, block_size: int, session_ttl_s: float = 600.0,
-                 num_staging_slots: int = 1) -> None:
+                 num_staging_slots: int = 0) -> None:
         self.pool = pool
+        self._num_staging_slots = num_staging_slots
         self._free_staging = list(range(num_staging_slots - 1, -1, -1))
         self.block_size = block_size
         self.session_ttl_s = session_ttl_s
@@ -68,7 +69,9 @@ class KVCacheManager:
         return need + free_hits <= self.pool.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int, computed: list[Block] = ()) -> None:
-        """Give ``seq`` room for ``num_new_tokens`` more tokens (check ``can_allocate`` first)."""
+        """Give ``seq`` room for ``num_new_tokens`` more tokens (check ``can_allocate`` first)
+        and, on its first allocation, a staging slot."""
+        self._assign_staging_slot(seq)
         if computed:
             self.pool.touch(computed)
             seq.blocks.extend(computed)
@@ -77,27 +80,22 @@ class KVCacheManager:
         need = self.num_blocks_needed(seq, num_new_tokens)
         seq.blocks.extend(self.pool.get_new_blocks(need))
 
-    def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
-        """Flat slot ids (block_id * block_size + offset) of token positions [start, end)."""
-        bs = self.block_size
-        return [seq.blocks[p // bs].block_id * bs + p % bs for p in range(start, end)]
-
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Index the blocks whose tokens are all computed by their chained hash."""
         num_full = seq.num_computed_tokens // self.block_size
         for block, block_hash in zip(seq.blocks[:num_full], self._block_hashes(seq, num_full)):
             self.pool.cache_block(block, block_hash)
 
-    def staging_slot(self, seq: Sequence) -> int:
-        """The sequence's staging slot (:mod:`slimkv.kv.staging`), given on first use and
-        kept until :meth:`free`. A recompute after preemption starts at a block boundary,
-        so a new slot's stale contents are never read."""
-        if seq.staging_slot is None:
-            if not self._free_staging:
-                raise RuntimeError("no free KV staging slot: more sequences are running than "
-                                   "kv_cache.max_concurrency_soft + 1")
-            seq.staging_slot = self._free_staging.pop()
-        return seq.staging_slot
+    def _assign_staging_slot(self, seq: Sequence) -> None:
+        """A staging slot (:mod:`slimkv.kv.staging`) from the first allocation until
+        :meth:`free`, when the manager has slots (the cache is staged). A recompute after
+        preemption starts at a block boundary, so a new slot's stale contents are never read."""
+        if seq.staging_slot is not None or self._num_staging_slots == 0:
+            return
+        if not self._free_staging:
+            raise RuntimeError("no free KV staging slot: more sequences are running than "
+                               "kv_cache.max_concurrency_soft + 1")
+        seq.staging_slot = self._free_staging.pop()
 
     def free(self, seq: Sequence) -> None:
         """Return a sequence's blocks tail-first, its staging slot, and forget it."""

@@ -1,30 +1,45 @@
-"""The staging block: each running sequence's last block in full precision.
+"""Staging: each running sequence's last block, at full precision, in front of the pool.
 
-Per-channel key scales are computed over all ``block_size`` tokens of a block, so a block
-can only be quantized once it is full. Until then its tokens live here, one staging slot
-per running sequence (the KV manager hands slots out); when a write fills the block, the
-whole block is quantized into the pool. The slot keeps holding that block (now full) until
-the next token starts a new one, so the token that completed it still sees its own block at
-full precision.
+Per-channel key scales (:mod:`slimkv.kv.block_scales`) are computed over all
+``block_size`` tokens of a block, so a block can only be quantized once it is full. Until
+then its tokens are *staged* here, in the sequence's *staging slot* (the KV manager hands
+one out on a sequence's first allocation and takes it back when the sequence is freed);
+when a write fills the block, the whole block is quantized into the pool. The slot keeps
+that block (now full) until the next token starts a new one, so the token that completed
+it still sees its own block at full precision.
 
 Attention therefore follows one rule, whatever the chunking: a query sees the blocks
-before its own through the quantized pool and its own block at full precision. Prefix-cached
-blocks are full, hence always quantized.
+before its own through the quantized pool and its own block at full precision (from the
+staging slot for a decode; for a prefill chunk, from :class:`StagedKV`, the chunk's own
+tokens after the staged head of its first block). The rule depends on positions only, so
+a prompt gives the same result however it is chunked. Prefix-cached blocks are full,
+hence always quantized.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from slimkv.kv.cache import PagedKVCache
+from slimkv.kv.cache import PagedKVCache
+from slimkv.kv.layers import LayerDtypes, dtype_pairs, side_codec
+
+
+@dataclass(slots=True)
+class StagedKV:
+    """One sequence's K and V ``[n, H, D]`` at full precision, from ``start`` (the first
+    position of the block holding its first new token) to its last token."""
+
+    start: int
+    k: Tensor
+    v: Tensor
 
 
 class Staging:
-    """``buffer [2 (K, V), num_layers, num_slots, block_size, H, D]`` in the model dtype."""
+    """The staging slots of one :class:`PagedKVCache`: ``buffer [2 (K, V), num_layers,
+    num_slots, block_size, H, D]`` in the model dtype. Full blocks go into ``cache``."""
 
     def __init__(self, cache: PagedKVCache, num_slots: int, dtype: torch.dtype) -> None:
         self.cache = cache
@@ -34,19 +49,33 @@ class Staging:
                                   device=cache.device)
 
     @staticmethod
+    def needed(k_dtype: str, v_dtype: str, head_dim: int, k_scale: str, v_scale: str | None,
+               layer_dtypes: LayerDtypes | None = None) -> bool:
+        """Whether a codec has per-block scales, so partial blocks must be staged (the
+        default dtypes count even when ``layer_dtypes`` overrides every layer)."""
+        return any(side_codec(k, head_dim, k_scale).block_aux_widths
+                   or side_codec(v, head_dim, v_scale).block_aux_widths
+                   for k, v in dtype_pairs(k_dtype, v_dtype, layer_dtypes))
+
+    @staticmethod
     def bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
               num_slots: int, dtype: torch.dtype) -> int:
-        """What :attr:`buffer` occupies (for the planner, before any cache exists)."""
+        """What :attr:`buffer` occupies (for sizing, before any cache exists)."""
         return 2 * num_layers * num_slots * block_size * num_kv_heads * head_dim * dtype.itemsize
 
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.nbytes
+
+    # -- writes --------------------------------------------------------------------------
+
     def append(self, layer: int, slot: int, start: int, block_ids: Tensor, k: Tensor,
-               v: Tensor) -> tuple[Tensor, Tensor]:
+               v: Tensor) -> StagedKV:
         """Add one sequence's tokens at positions ``[start, start + n)``; ``block_ids`` are its
         blocks from ``start // block_size`` on. Blocks this fills go into the pool.
 
         Returns K and V at full precision from the start of ``start``'s block to the last
-        new token: every query of this step finds its own block in there.
-        """
+        new token: every query of this step finds its own block in there."""
         bs = self.block_size
         held = start % bs
         k_ctx, v_ctx = (torch.cat((self.buffer[side, layer, slot, :held], x.to(self.buffer.dtype)))
@@ -59,7 +88,7 @@ class Staging:
         last = (len(k_ctx) - 1) // bs * bs
         for side, ctx in enumerate((k_ctx, v_ctx)):
             self.buffer[side, layer, slot, :len(ctx) - last] = ctx[last:]
-        return k_ctx, v_ctx
+        return StagedKV(start - held, k_ctx, v_ctx)
 
     def append_decodes(self, layer: int, slots: Tensor, positions: Tensor, block_ids: Tensor,
                        k: Tensor, v: Tensor) -> None:
@@ -73,7 +102,52 @@ class Staging:
             blocks = self.buffer[:, layer, slots[full]]
             self.cache.write_blocks(layer, block_ids[full], blocks[0], blocks[1])
 
-    def own_blocks(self, layer: int, slots: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    # -- reads ---------------------------------------------------------------------------
+
+    def blocks(self, layer: int, slots: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """K and V ``[B, block_size, H, D]`` of each slot's block."""
         blocks = self.buffer[:, layer, slots].to(dtype)
         return blocks[0], blocks[1]
+
+    def layer_buffers(self, layer: int) -> tuple[Tensor, Tensor]:
+        """K and V ``[num_slots, block_size, H, D]`` of one layer (for native kernels)."""
+        return self.buffer[0, layer], self.buffer[1, layer]
+
+    def overlay(self, layer: int, k: Tensor, v: Tensor, slots: Tensor,
+                block_index: Tensor) -> None:
+        """In gathered ``k, v [B, m * block_size, H, D]``, replace block ``block_index[b]``
+        of row ``b`` by slot ``slots[b]``'s staged block."""
+        rows = torch.arange(len(slots), device=k.device)
+        for x, staged in zip((k, v), self.blocks(layer, slots, k.dtype)):
+            x.unflatten(1, (-1, self.block_size))[rows, block_index] = staged
+
+    def context(self, layer: int, block_table: Tensor, seq_len: int, query_len: int,
+                slot: Tensor, staged: StagedKV | None,
+                dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+        """One sequence's keys, values ``[1, n, H, D]`` (pool blocks of ``block_table [1, m]``,
+        then its full-precision tokens) and mask ``[1, query_len, n]``. Without ``staged``
+        (a decode), its own block comes from its staging ``slot [1]``."""
+        bs = self.block_size
+        if staged is None:
+            start = (seq_len - 1) // bs * bs
+            k_block, v_block = self.blocks(layer, slot, dtype)
+            staged = StagedKV(start, k_block[0, :seq_len - start], v_block[0, :seq_len - start])
+        k, v = self.cache.read_prefix(layer, block_table, seq_len, dtype)
+        mask = staged_mask(seq_len, query_len, k.shape[1], staged.start, len(staged.k), bs,
+                           k.device)
+        k = torch.cat((k, staged.k[None].to(dtype)), 1)
+        v = torch.cat((v, staged.v[None].to(dtype)), 1)
+        return k, v, mask[None]
+
+
+def staged_mask(seq_len: int, query_len: int, num_pool_keys: int, staged_start: int,
+                num_staged: int, block_size: int, device: torch.device) -> Tensor:
+    """``[query_len, num_pool_keys + num_staged]`` bool for keys = pool keys, then staged
+    keys: a query sees pool keys of earlier blocks and staged keys of its own block up to
+    itself."""
+    query_pos = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
+    block_start = query_pos // block_size * block_size
+    pool_pos = torch.arange(num_pool_keys, device=device)[None]
+    staged_pos = staged_start + torch.arange(num_staged, device=device)[None]
+    return torch.cat((pool_pos < block_start,
+                      (staged_pos >= block_start) & (staged_pos <= query_pos)), 1)

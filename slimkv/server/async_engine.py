@@ -9,7 +9,8 @@ through ``loop.call_soon_threadsafe``; errors go the same way as exceptions, whi
 :meth:`AsyncEngine.generate` raises in the handler. Requests that arrive while others run
 simply join the running batch at the next step (continuous batching). A handler that needs
 to read engine state (the cache dashboard) posts a function with :meth:`AsyncEngine.call`,
-which the engine thread runs between two steps; ``step_hooks`` run after every step.
+which the engine thread runs between two steps; after every step the metrics and the
+``step_hooks`` get the engine's stats and the increments of its counters.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from slimkv.engine import LLMEngine, RequestError
+from slimkv.engine_stats import CounterDeltas, EngineStats
 from slimkv.outputs import RequestOutput
 from slimkv.sampling import SamplingParams
 from slimkv.server.cache_state import CacheHistory
@@ -35,7 +37,7 @@ log = logging.getLogger(__name__)
 Messages = list[dict[str, str]]
 Item = RequestOutput | APIError
 T = TypeVar("T")
-StepHook = Callable[[LLMEngine, list[RequestOutput]], None]
+StepHook = Callable[[EngineStats, dict[str, int], list[RequestOutput]], None]
 
 
 @dataclass(slots=True)
@@ -74,12 +76,13 @@ class AsyncEngine:
         self._aborts: list[str] = []
         self._calls: list[tuple[Callable[[LLMEngine], Any], asyncio.Future[Any]]] = []
         self.step_hooks: list[StepHook] = []  # run on the engine thread after every step
+        self._deltas = CounterDeltas()
         self._streams: dict[str, GenerateRequest] = {}  # owned by the engine thread
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="slimkv-engine", daemon=True)
         self.history = CacheHistory()  # the dashboard's recent events
         self.step_hooks.append(self.history)
-        metrics.describe_engine(engine)
+        metrics.describe_engine(engine.stats())
 
     @property
     def model_name(self) -> str:
@@ -132,7 +135,7 @@ class AsyncEngine:
 
     async def cache_state(self, blocks: bool = True) -> dict[str, Any]:
         """The ``/v1/cache/state`` snapshot, built on the engine thread between two steps."""
-        return await self.call(lambda e: self.history.snapshot(e, with_blocks=blocks))
+        return await self.call(lambda e: self.history.snapshot(e.stats(), e.block_map(), blocks))
 
     async def exposition(self) -> bytes:
         """The Prometheus text of this engine's metrics."""
@@ -160,16 +163,18 @@ class AsyncEngine:
             outputs = self._step() if self.engine.has_unfinished() else []
             for out in outputs:
                 self._deliver(out)
-            self.metrics.update(self.engine, outputs)
+            stats = self.engine.stats()
+            deltas = self._deltas(stats)
+            self.metrics.update(stats, deltas, outputs)
             for hook in self.step_hooks:
-                hook(self.engine, outputs)
+                hook(stats, deltas, outputs)
         self._fail_all(APIError(503, "the server is shutting down", "shutting_down"))
 
     def _wait_for_work(self) -> bool:
         """Sleep until there is something to do; False when stopping. When only requests
         that cannot be admitted yet remain, poll slowly (for queue timeouts) instead of spinning."""
         with self._cond:
-            stalled = self.engine.has_unfinished() and not self.engine.scheduler.num_running()
+            stalled = self.engine.has_unfinished() and not self.engine.stats().num_running
             if stalled and not (self._adds or self._aborts or self._calls):
                 self._cond.wait(self.stall_poll_s)
             while not (self._adds or self._aborts or self._calls or self.engine.has_unfinished()
@@ -188,7 +193,7 @@ class AsyncEngine:
                 lambda: None if future.done() else outcome(value))  # done: the handler gave up
 
     def _add(self, request: GenerateRequest) -> None:
-        waiting = self.engine.scheduler.num_waiting()
+        waiting = self.engine.stats().num_waiting
         if self.max_queue is not None and waiting >= self.max_queue:
             request.deliver(ServerBusy(f"server busy: {waiting} requests already queued "
                                        f"(scheduler.max_queue={self.max_queue}); retry later"))
@@ -227,14 +232,12 @@ class AsyncEngine:
         """``scheduler.queue_timeout_s``: never-scheduled requests waiting longer get 429."""
         if self.queue_timeout_s is None:
             return
-        now = time.monotonic()
-        for seq in list(self.engine.scheduler.waiting):
-            if seq.scheduled_time is None and now - seq.arrival_time > self.queue_timeout_s:
-                request = self._streams[seq.request_id]
-                self._abort(seq.request_id)
-                request.deliver(ServerBusy(
-                    f"server busy: the request waited over {self.queue_timeout_s:g} s in the "
-                    "queue (scheduler.queue_timeout_s); retry later"))
+        for request_id in self.engine.unscheduled_since(time.monotonic() - self.queue_timeout_s):
+            request = self._streams[request_id]
+            self._abort(request_id)
+            request.deliver(ServerBusy(
+                f"server busy: the request waited over {self.queue_timeout_s:g} s in the "
+                "queue (scheduler.queue_timeout_s); retry later"))
 
     def _step(self) -> list[RequestOutput]:
         try:

@@ -1,9 +1,10 @@
 """The KV cache state behind ``GET /v1/cache/state`` and the dashboard.
 
 Everything here runs on the engine thread: :class:`CacheHistory` is a step hook of the
-:class:`~slimkv.server.async_engine.AsyncEngine`, and :meth:`CacheHistory.snapshot` is
-posted with ``AsyncEngine.call``, so it reads the pool between two steps and returns plain
-data that the handler serialises. The schema is documented in the README ("Dashboard");
+:class:`~slimkv.server.async_engine.AsyncEngine` (it gets the step's
+:class:`~slimkv.engine_stats.EngineStats` and counter increments), and
+:meth:`CacheHistory.snapshot` is posted with ``AsyncEngine.call``, so it reads the engine's
+stats and block map between two steps and returns plain data that the handler serialises. The schema is documented in the README ("Dashboard");
 ``SCHEMA_VERSION`` changes only when a field is removed or changes meaning.
 """
 
@@ -13,15 +14,14 @@ import time
 from collections import deque
 from typing import Any
 
-from slimkv.engine import LLMEngine
-from slimkv.kv.block_pool import Block
+from slimkv.engine_stats import BlockInfo, EngineStats
 from slimkv.outputs import RequestOutput
 from slimkv.stats import percentile
 
 SCHEMA_VERSION = 1
 WINDOW_S = 60
-# Every state a block can be reported in. "staging" is reported when the KV scheme keeps a
-# full-precision staging block per running sequence; the current schemes have none.
+# Every state a block can be reported in (see BlockInfo); "staging" appears when the KV
+# scheme keeps a full-precision staging block per running sequence (per-block key scales).
 STATES = ("free", "in_use", "cached", "pinned", "staging")
 COUNTERS = ("evictions", "preemptions", "prefix_queries", "prefix_hits")
 
@@ -30,18 +30,15 @@ class RecentCounts:
     """Per-second increments of monotonic engine counters over the last ``WINDOW_S`` s."""
 
     def __init__(self) -> None:
-        self._last = dict.fromkeys(COUNTERS, 0)  # the engine's counters start at zero
         self._seconds: deque[tuple[int, dict[str, int]]] = deque()
 
-    def record(self, now: float, totals: dict[str, int]) -> None:
-        deltas = {name: totals[name] - self._last[name] for name in COUNTERS}
-        self._last = totals
+    def record(self, now: float, deltas: dict[str, int]) -> None:
         second = int(now)
-        if any(deltas.values()):
+        if any(deltas.get(name) for name in COUNTERS):
             if not self._seconds or self._seconds[-1][0] != second:
                 self._seconds.append((second, dict.fromkeys(COUNTERS, 0)))
-            for name, delta in deltas.items():
-                self._seconds[-1][1][name] += delta
+            for name in COUNTERS:
+                self._seconds[-1][1][name] += deltas.get(name, 0)
         while self._seconds and self._seconds[0][0] <= second - WINDOW_S:
             self._seconds.popleft()
 
@@ -53,9 +50,6 @@ class RecentCounts:
             if second >= start:
                 out[second - start] = counts[name]
         return out
-
-    def totals(self) -> dict[str, int]:
-        return dict(self._last)
 
 
 class RecentTTFT:
@@ -82,37 +76,34 @@ class CacheHistory:
         self.counts = RecentCounts()
         self.ttft = RecentTTFT()
 
-    def __call__(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+    def __call__(self, stats: EngineStats, deltas: dict[str, int],
+                 outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
-        self.counts.record(now, {
-            "evictions": engine.pool.num_evictions,
-            "preemptions": engine.scheduler.num_preemptions,
-            "prefix_queries": engine.manager.num_prefix_queries,
-            "prefix_hits": engine.manager.num_prefix_hits})
+        self.counts.record(now, deltas)
         for out in outputs:
             if out.ttft is not None:
                 self.ttft.add(now, out.ttft)
 
-    def snapshot(self, engine: LLMEngine, with_blocks: bool = True) -> dict[str, Any]:
+    def snapshot(self, stats: EngineStats, block_map: list[BlockInfo],
+                 with_blocks: bool = True) -> dict[str, Any]:
         now = time.monotonic()
-        blocks = block_states(engine)
+        blocks = [block_entry(block, stats.block_size) for block in block_map]
         counts = dict.fromkeys(STATES, 0)
         for block in blocks:
             counts[block["state"]] += 1
         state = {
             "schema_version": SCHEMA_VERSION,
             "time": time.time(),
-            "step": engine.num_steps,
-            "model": engine.model_name,
-            "pool": pool_summary(engine, blocks),
+            "step": stats.step,
+            "model": stats.model_name,
+            "pool": pool_summary(stats, blocks),
             "counts": counts,
-            "requests": request_summary(engine),
-            "memory": {**engine.memory_split(), "kv_bytes_per_token": engine.bytes_per_token,
-                       "k_dtype": engine.k_dtype, "v_dtype": engine.v_dtype},
-            "prefix_cache": self._prefix_summary(now),
-            "events": {"window_s": WINDOW_S,
-                       **{f"{name}_total": self.counts.totals()[name]
-                          for name in ("evictions", "preemptions")},
+            "requests": request_summary(stats),
+            "memory": {**stats.memory, "kv_bytes_per_token": stats.bytes_per_token,
+                       "k_dtype": stats.k_dtype, "v_dtype": stats.v_dtype},
+            "prefix_cache": self._prefix_summary(stats, now),
+            "events": {"window_s": WINDOW_S, "evictions_total": stats.evictions,
+                       "preemptions_total": stats.preemptions,
                        **{name: self.counts.series(now, name)
                           for name in ("evictions", "preemptions")}},
             "ttft": self.ttft.summary(now),
@@ -121,12 +112,11 @@ class CacheHistory:
             state["blocks"] = blocks
         return state
 
-    def _prefix_summary(self, now: float) -> dict[str, Any]:
-        totals = self.counts.totals()
+    def _prefix_summary(self, stats: EngineStats, now: float) -> dict[str, Any]:
         recent_q = sum(self.counts.series(now, "prefix_queries"))
         recent_h = sum(self.counts.series(now, "prefix_hits"))
-        return {"queries_total": totals["prefix_queries"], "hits_total": totals["prefix_hits"],
-                "hit_rate": ratio(totals["prefix_hits"], totals["prefix_queries"]),
+        return {"queries_total": stats.prefix_queries, "hits_total": stats.prefix_hits,
+                "hit_rate": ratio(stats.prefix_hits, stats.prefix_queries),
                 "hit_rate_recent": ratio(recent_h, recent_q), "window_s": WINDOW_S}
 
 
@@ -134,66 +124,28 @@ def ratio(part: int, whole: int) -> float | None:
     return part / whole if whole else None
 
 
-def pool_summary(engine: LLMEngine, blocks: list[dict[str, Any]]) -> dict[str, Any]:
-    pool, kv = engine.pool, engine.config.kv_cache
-    return {"num_blocks": pool.num_blocks, "block_size": engine.cache.block_size,
-            "num_free_blocks": pool.num_free_blocks, "usage": pool.usage,
-            "watermark": kv.watermark, "watermark_alert": engine.scheduler.watermark_alert,
-            "evict_policy": kv.evict_policy,
+def pool_summary(stats: EngineStats, blocks: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"num_blocks": stats.num_blocks, "block_size": stats.block_size,
+            "num_free_blocks": stats.num_free_blocks, "usage": stats.usage,
+            "watermark": stats.watermark, "watermark_alert": stats.watermark_alert,
+            "evict_policy": stats.evict_policy,
             "clock": max((b["last_used"] for b in blocks), default=0)}
 
 
-def request_summary(engine: LLMEngine) -> dict[str, Any]:
-    sched = engine.scheduler
-    lanes = {lane: {"running": sched.num_running(lane), "waiting": sched.num_waiting(lane)}
-             for lane in ("fast", "slow")}
-    return {"running": sched.num_running(), "waiting": sched.num_waiting(), "lanes": lanes,
-            "max_concurrency_soft": engine.config.kv_cache.max_concurrency_soft}
+def request_summary(stats: EngineStats) -> dict[str, Any]:
+    lanes = {lane: {"running": c.running, "waiting": c.waiting} for lane, c in stats.lanes.items()}
+    return {"running": stats.num_running, "waiting": stats.num_waiting, "lanes": lanes,
+            "max_concurrency_soft": stats.max_concurrency_soft}
 
 
-def block_states(engine: LLMEngine) -> list[dict[str, Any]]:
-    """One entry per block of the pool, in block-id order."""
-    holders: dict[int, list[tuple[str, int]]] = {}
-    for seq in [*engine.scheduler.running, *engine.scheduler.waiting]:
-        for index, block in enumerate(seq.blocks):
-            holders.setdefault(block.block_id, []).append((seq.request_id, index))
-    block_size = engine.cache.block_size
-    staged = staged_blocks(engine)
-    return [block_entry(block, holders.get(block.block_id, []), block_size,
-                        block.block_id in staged)
-            for block in engine.pool.blocks]
-
-
-def staged_blocks(engine: LLMEngine) -> set[int]:
-    """Blocks whose tokens still live in their sequence's full-precision staging slot: the
-    partly filled last block of a running sequence, when the KV scheme quantizes per block."""
-    if engine.cache.staging is None:
-        return set()
-    size = engine.cache.block_size
-    return {seq.blocks[seq.num_computed_tokens // size].block_id
-            for seq in engine.scheduler.running
-            if seq.num_computed_tokens % size and len(seq.blocks) > seq.num_computed_tokens // size}
-
-
-def block_entry(block: Block, holders: list[tuple[str, int]], block_size: int,
-                staged: bool) -> dict[str, Any]:
-    index = holders[0][1] if holders else None
+def block_entry(block: BlockInfo, block_size: int) -> dict[str, Any]:
+    index = block.holders[0][1] if block.holders else None
     return {
         "id": block.block_id,
-        "state": "staging" if staged else block_state(block),
+        "state": block.state,
         "ref": block.ref_cnt,
-        "requests": [request_id for request_id, _ in holders],
-        "session": None if block.session_head is None else str(block.session_head),
+        "requests": [request_id for request_id, _ in block.holders],
+        "session": block.session,
         "tokens": None if index is None else [index * block_size, (index + 1) * block_size],
         "last_used": block.last_used,
     }
-
-
-def block_state(block: Block) -> str:
-    """Held by a live sequence first; a free block is a pinned session head, a prefix-cached
-    (evictable) block, or empty."""
-    if block.ref_cnt > 0:
-        return "in_use"
-    if block.session_head is not None:
-        return "pinned"
-    return "cached" if block.block_hash is not None else "free"

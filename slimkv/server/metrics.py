@@ -1,20 +1,18 @@
 """Prometheus metrics, named after vLLM's (``vllm:`` becomes ``slimkv:``).
 
-The engine thread calls :meth:`ServerMetrics.update` after every step, so gauges always
-show the state the engine itself saw and no engine structure is read from another thread.
-Engine-side totals (preemptions, prefix-cache lookups, evictions, attention paths) are
-monotonic counters in the engine; they are exported as deltas since the previous update.
-Each server gets its own registry, so several servers can live in one process (tests).
+The engine thread calls :meth:`ServerMetrics.update` after every step with the engine's
+:class:`~slimkv.engine_stats.EngineStats` and the increments of its monotonic counters
+(:class:`~slimkv.engine_stats.CounterDeltas`), so gauges show the state the engine itself
+saw and no engine structure is read from another thread. Each server gets its own
+registry, so several servers can live in one process (tests).
 """
 
 from __future__ import annotations
 
-from collections import Counter as Tally
-
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Info,
                                generate_latest)
 
-from slimkv.engine import LLMEngine
+from slimkv.engine_stats import EngineStats
 from slimkv.outputs import RequestOutput
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -30,7 +28,6 @@ class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        self._totals: Tally[str] = Tally()
         labels = ["model_name"]
         r = self.registry
 
@@ -68,30 +65,42 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
                                     REQUEST_BUCKETS)
+        # Engine counters exported as they move (see EngineStats.counters).
+        self._engine_counters = {"prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
+                        "preemptions": self.preemptions, "evictions": self.evictions}
 
-    def describe_engine(self, engine: LLMEngine) -> None:
+    def describe_engine(self, stats: EngineStats) -> None:
         """The static facts: pool size, watermark, KV format, memory split (the activation
         share is the peak the engine measured at start-up)."""
         m = self.model_name
-        for component, nbytes in engine.memory_split().items():
+        for component, nbytes in stats.memory.items():
             self.memory.labels(m, component).set(nbytes)
-        self.blocks_total.labels(m).set(engine.pool.num_blocks)
-        self.watermark.labels(m).set(engine.config.kv_cache.watermark)
+        self.blocks_total.labels(m).set(stats.num_blocks)
+        self.watermark.labels(m).set(stats.watermark)
         self.kv_info.labels(m).info({
-            "k_dtype": engine.k_dtype, "v_dtype": engine.v_dtype,
-            "bytes_per_token": str(engine.bytes_per_token),
-            "block_size": str(engine.cache.block_size)})
+            "k_dtype": stats.k_dtype, "v_dtype": stats.v_dtype,
+            "bytes_per_token": str(stats.bytes_per_token), "block_size": str(stats.block_size)})
         for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl,
-                       self.e2e, self.queue_time):
+                       self.e2e, self.queue_time, *self._engine_counters.values()):
             metric.labels(m)  # export zeros before the first request
         for reason in ("stop", "length", "abort"):
             self.success.labels(m, reason)
-        self.update(engine, [])
+        self.update(stats, {}, [])
 
-    def update(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+    def update(self, stats: EngineStats, deltas: dict[str, int],
+               outputs: list[RequestOutput]) -> None:
         """Called by the engine thread after each step (or abort)."""
-        self._update_gauges(engine)
-        self._update_totals(engine)
+        m = self.model_name
+        self.running.labels(m).set(stats.num_running)
+        self.waiting.labels(m).set(stats.num_waiting)
+        self.kv_usage.labels(m).set(stats.usage)
+        self.blocks_used.labels(m).set(stats.num_blocks_used)
+        self.watermark_alert.labels(m).set(int(stats.watermark_alert))
+        for name, delta in deltas.items():
+            if name.startswith("path:"):
+                self.attention_path.labels(m, name.removeprefix("path:")).inc(delta)
+            elif name in self._engine_counters:
+                self._engine_counters[name].labels(m).inc(delta)
         for out in outputs:
             self._record_output(out)
 
@@ -101,29 +110,6 @@ class ServerMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
-
-    def _update_gauges(self, engine: LLMEngine) -> None:
-        m, sched, pool = self.model_name, engine.scheduler, engine.pool
-        self.running.labels(m).set(sched.num_running())
-        self.waiting.labels(m).set(sched.num_waiting())
-        self.kv_usage.labels(m).set(pool.usage)
-        self.blocks_used.labels(m).set(pool.num_blocks - pool.num_free_blocks)
-        self.watermark_alert.labels(m).set(int(sched.watermark_alert))
-
-    def _update_totals(self, engine: LLMEngine) -> None:
-        m = self.model_name
-        self._add(self.prefix_queries.labels(m), "prefix_queries", engine.manager.num_prefix_queries)
-        self._add(self.prefix_hits.labels(m), "prefix_hits", engine.manager.num_prefix_hits)
-        self._add(self.preemptions.labels(m), "preemptions", engine.scheduler.num_preemptions)
-        self._add(self.evictions.labels(m), "evictions", engine.pool.num_evictions)
-        for path, count in engine.attention.path_counts.items():
-            self._add(self.attention_path.labels(m, path), f"path:{path}", count)
-
-    def _add(self, child: Counter, key: str, total: int) -> None:
-        delta = total - self._totals[key]
-        if delta > 0:
-            child.inc(delta)
-            self._totals[key] = total
 
     def _record_output(self, out: RequestOutput) -> None:
         m = self.model_name

@@ -1,4 +1,5 @@
-"""Measure where memory goes: weights, KV pool, activations.
+"""Measure where memory goes: weights, KV pool, activations (below the engine, which
+measures its activation peak at start-up; ``slimkv profile`` measures a real workload).
 
 Activations are measured by :class:`LiveBytes`, a ``TorchDispatchMode`` that sees every
 tensor an ATen op returns, counts the bytes of each *new* storage while any tensor
@@ -16,10 +17,9 @@ second even for a 7B model, and the planner uses the same function for any confi
 from __future__ import annotations
 
 import dataclasses
-import resource
 import weakref
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -28,9 +28,6 @@ from torch.utils._pytree import tree_flatten
 from slimkv.attention import AttentionMetadata, PagedAttention
 from slimkv.kv.cache import PagedKVCache
 from slimkv.model.llama import ModelArgs, Transformer
-
-if TYPE_CHECKING:
-    from slimkv.engine import LLMEngine
 
 
 class LiveBytes(TorchDispatchMode):
@@ -80,14 +77,8 @@ def profile_batch(num_tokens: int, max_len: int, block_size: int,
     lens = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
     blocks = [-(-n // block_size) for n in lens]
     first = [sum(blocks[:i]) for i in range(len(lens))]
-    width = max(blocks)
-    table = [list(range(f, f + b)) + [0] * (width - b) for f, b in zip(first, blocks)]
-    slots = [f * block_size + p for f, n in zip(first, lens) for p in range(n)]
-    starts = [sum(lens[:i]) for i in range(len(lens) + 1)]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device=device), query_start_loc=starts,
-        query_lens=lens, seq_lens=lens, block_tables=torch.tensor(table, device=device),
-        seq_lens_t=torch.tensor(lens, device=device))
+    tables = [list(range(f, f + b)) for f, b in zip(first, blocks)]
+    meta = AttentionMetadata.build(block_size, tables, lens, lens, device)
     positions = torch.cat([torch.arange(n, device=device) for n in lens])
     return torch.zeros(num_tokens, dtype=torch.long, device=device), positions, meta
 
@@ -120,65 +111,3 @@ def weight_bytes(model: torch.nn.Module) -> int:
     storages = {_key(t): t.untyped_storage().nbytes()
                 for t in [*model.parameters(), *model.buffers()]}
     return sum(storages.values())
-
-
-def run_workload(engine: LLMEngine, sessions: int, context: int, new_tokens: int = 4) -> dict[str, Any]:
-    """Serve ``sessions`` random prompts of ``context`` tokens (``new_tokens`` generated each)
-    and return the measured memory split in bytes, with how each figure was measured."""
-    from slimkv.bench.engine import random_prompt
-    from slimkv.sampling import SamplingParams
-
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    prompt_len = max(1, context - new_tokens)
-    for i in range(sessions):
-        engine.add_request(random_prompt(prompt_len, engine.model_args.vocab_size, seed=i), params)
-    peak_blocks = 0
-    cuda = engine.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(engine.device)
-        torch.cuda.reset_peak_memory_stats(engine.device)
-        before = torch.cuda.memory_allocated(engine.device)
-    with LiveBytes() as tracker:
-        while engine.has_unfinished():
-            engine.step()
-            peak_blocks = max(peak_blocks, sum(len(s.blocks) for s in engine.requests.values()))
-    split = engine.memory_split()
-    if cuda:
-        activations = torch.cuda.max_memory_allocated(engine.device) - before
-        other = torch.cuda.max_memory_reserved(engine.device) - torch.cuda.max_memory_allocated(engine.device)
-        method = "CUDA caching allocator statistics (max_memory_allocated / max_memory_reserved)"
-    else:
-        activations = tracker.peak
-        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        other = max(0, peak_rss - split["weights"] - split["kv_cache"] - split["kv_staging"]
-                    - activations)
-        method = ("CPU: weights and KV pool = bytes of the engine's own tensors; activations = "
-                  "peak live bytes of tensors created during the steps (TorchDispatchMode); "
-                  "other = peak RSS minus those (Python, torch runtime; untouched pool pages "
-                  "are not resident, so it can read 0)")
-    return {"weights": split["weights"], "kv_allocated": split["kv_cache"],
-            "kv_staging": split["kv_staging"],
-            "kv_in_use": peak_blocks * engine.cache.bytes_per_block, "kv_blocks": engine.pool.num_blocks,
-            "kv_blocks_in_use": peak_blocks, "kv_bytes_per_block": engine.cache.bytes_per_block,
-            "activations": activations, "activations_startup": split["activations"],
-            "other": other, "method": method}
-
-
-def recommend(engine: LLMEngine, m: dict[str, Any], sessions: int, context: int) -> tuple[float, str]:
-    """KV share of memory in use and what to do about it, in words."""
-    total = m["weights"] + m["kv_in_use"] + m["activations"] + m["other"]
-    share = m["kv_in_use"] / total
-    int8_per_token = PagedKVCache.bytes_per_token(
-        engine.model_args.num_layers, engine.model_args.num_kv_heads, engine.model_args.head_dim,
-        "int8", "int8")
-    kv_saving = m["kv_in_use"] * max(0.0, 1 - int8_per_token / engine.bytes_per_token) / total
-    weight_saving = m["weights"] * (1 - 1 / engine.dtype.itemsize) / total
-    head = f"KV cache is {share:.0%} of memory in use at {sessions} sessions x {context} tokens"
-    if kv_saving > weight_saving:
-        return share, (f"{head}: quantize the KV cache to int8 first (saves {kv_saving:.0%}); "
-                       f"int8 weights would save at most {weight_saving:.0%}")
-    if kv_saving > 0:
-        return share, (f"{head}: weights dominate; int8 weights would save up to "
-                       f"{weight_saving:.0%}, int8 KV {kv_saving:.0%}")
-    return share, (f"{head}; the KV cache is already {engine.k_dtype}/{engine.v_dtype}; "
-                   f"int8 weights would save at most {weight_saving:.0%}")

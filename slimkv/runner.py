@@ -1,0 +1,168 @@
+"""The model runner: the tensor side of a step.
+
+It owns the model, the KV pool, the staging blocks and the attention, and turns the
+scheduler's ``(sequence, tokens)`` pairs into one batched forward: ``_prepare`` lays the
+tokens out with their block tables (:class:`~slimkv.attention.AttentionMetadata`),
+``_forward`` runs the model over the paged cache, and the sampler picks the next tokens.
+Block bookkeeping (which blocks a sequence holds) stays with the engine's KV manager.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slimkv.attention import AttentionMetadata, PagedAttention
+from slimkv.config import Config, ConfigError
+from slimkv.kv.cache import PagedKVCache
+from slimkv.kv.staging import Staging
+from slimkv.memory import activation_peak, weight_bytes
+from slimkv.model import load_model
+from slimkv.sampling import Sampler
+from slimkv.sequence import Sequence
+
+GiB = 1 << 30
+_CPU_BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``model.dtype``; ``auto`` is bfloat16 where its matmuls are native (CUDA with bf16,
+    CPUs with AVX512-BF16 or AMX: half the weight bytes per decode step), else float32."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        native = torch.cuda.is_bf16_supported()
+    else:
+        native = bool(_CPU_BF16_FLAGS & _cpu_flags())
+    return torch.bfloat16 if native else torch.float32
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+class ModelRunner:
+    """Model, KV pool and attention for one engine; see the module doc."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        model_dtype = str(self.dtype).removeprefix("torch.")
+        self.model_args, self.model, self.tokenizer = load_model(
+            config.model.path, self.dtype, self.device)
+        args, kv = self.model_args, config.kv_cache
+        self.max_model_len = min(config.model.max_model_len or args.max_position_embeddings,
+                                 args.max_position_embeddings)
+        self.k_dtype = model_dtype if kv.key_dtype == "auto" else kv.key_dtype
+        self.v_dtype = model_dtype if kv.value_dtype == "auto" else kv.value_dtype
+        shape = dict(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
+                     head_dim=args.head_dim, k_dtype=self.k_dtype, v_dtype=self.v_dtype,
+                     k_scale=kv.k_scale, v_scale=kv.v_scale, layer_dtypes=kv.layer_dtypes)
+        self.bytes_per_token = PagedKVCache.bytes_per_token(**shape, block_size=kv.block_size)
+        staged = Staging.needed(self.k_dtype, self.v_dtype, args.head_dim, kv.k_scale,
+                                kv.v_scale, kv.layer_dtypes)
+        # One staging slot per running sequence, plus one for score().
+        self.num_staging_slots = kv.max_concurrency_soft + 1 if staged else 0
+        self.cache = PagedKVCache(num_blocks=self._num_blocks(shape), block_size=kv.block_size,
+                                  device=self.device, **shape)
+        self.staging = Staging(self.cache, self.num_staging_slots, self.dtype) if staged else None
+        self.attention = PagedAttention(self.cache, args.num_heads, args.head_dim ** -0.5,
+                                        self.dtype, staging=self.staging)
+        if kv.strict and self.attention.fallback_reason:
+            raise ConfigError(
+                f"kv_cache.strict: the {self.k_dtype}/{self.v_dtype} KV cache cannot run its "
+                f"quantized attention path on {self.device}: {self.attention.fallback_reason} "
+                "(set kv_cache.strict: false to serve on the reference path anyway)")
+        self.activation_bytes = activation_peak(
+            args, self.dtype, self.device, k_dtype=self.k_dtype, v_dtype=self.v_dtype,
+            block_size=kv.block_size, num_tokens=config.scheduler.max_num_batched_tokens,
+            num_logit_rows=kv.max_concurrency_soft, max_len=self.max_model_len)
+        self.sampler = Sampler()
+
+    def _num_blocks(self, shape: dict) -> int:
+        """``kv_cache.num_blocks``, or what ``memory_gb`` holds once staging is set aside."""
+        kv = self.config.kv_cache
+        if kv.num_blocks:
+            return kv.num_blocks
+        staging = Staging.bytes(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"],
+                                kv.block_size, self.num_staging_slots, self.dtype)
+        num_blocks = PagedKVCache.num_blocks_for_budget(
+            int(kv.memory_gb * GiB), kv.block_size, **shape, reserved_bytes=staging)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache.memory_gb={kv.memory_gb} holds no {kv.block_size}-token block")
+        return num_blocks
+
+    def memory_split(self) -> dict[str, int]:
+        """Bytes of the weights, the KV pool, its staging blocks, and the activation peak of
+        the largest step (measured at start-up, see :func:`slimkv.memory.activation_peak`)."""
+        return {"weights": weight_bytes(self.model), "kv_cache": self.cache.nbytes,
+                "kv_staging": self.staging.nbytes if self.staging else 0,
+                "activations": self.activation_bytes}
+
+    # -- one step ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """Run the scheduled tokens; each sequence whose step reaches its last token
+        samples one: ``(sequence, token)`` pairs in batch order."""
+        meta, rows, seqs = self._prepare(scheduled)
+        hidden = self._forward(scheduled, meta)
+        if not rows:
+            return []
+        logits = self.model.compute_logits(hidden[rows])
+        tokens = self.sampler(logits, [s.params for s in seqs],
+                              [self._generator(s, logits.device) for s in seqs])
+        return list(zip(seqs, tokens))
+
+    @staticmethod
+    def _generator(seq: Sequence, device: torch.device) -> torch.Generator | None:
+        """The seeded request's own generator, made on first use and kept (preemption
+        included), so its samples do not depend on the batch it runs in."""
+        if seq.generator is None and seq.params.seed is not None:
+            seq.generator = torch.Generator(device).manual_seed(seq.params.seed)
+        return seq.generator
+
+    @torch.inference_mode()
+    def logits(self, seq: Sequence, num_tokens: int) -> torch.Tensor:
+        """Logits ``[num_tokens, vocab]`` of the sequence's next ``num_tokens`` tokens (its
+        blocks must already hold room for them): teacher forcing, for scoring."""
+        meta, _, _ = self._prepare([(seq, num_tokens)])
+        return self.model.compute_logits(self._forward([(seq, num_tokens)], meta))
+
+    def _forward(self, scheduled: list[tuple[Sequence, int]],
+                 meta: AttentionMetadata) -> torch.Tensor:
+        ids, positions = [], []
+        for seq, n in scheduled:
+            start = seq.num_computed_tokens
+            ids += seq.token_ids[start:start + n]
+            positions += range(start, start + n)
+        dev = self.device
+        return self.model(torch.tensor(ids, dtype=torch.long, device=dev),
+                          torch.tensor(positions, dtype=torch.long, device=dev),
+                          lambda layer, q, k, v: self.attention(layer, q, k, v, meta))
+
+    def _prepare(self, scheduled: list[tuple[Sequence, int]]
+                 ) -> tuple[AttentionMetadata, list[int], list[Sequence]]:
+        """The step's metadata, and the hidden-state row and sequence of each sampler."""
+        rows, seqs, end = [], [], 0
+        for seq, n in scheduled:
+            end += n
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                rows.append(end - 1)
+                seqs.append(seq)
+        meta = AttentionMetadata.build(
+            self.cache.block_size, [[b.block_id for b in seq.blocks] for seq, _ in scheduled],
+            [n for _, n in scheduled], [seq.num_computed_tokens + n for seq, n in scheduled],
+            self.device, [seq.staging_slot for seq, _ in scheduled] if self.staging else None)
+        return meta, rows, seqs
