@@ -3,6 +3,7 @@ on a free local port; one int8 server is shared by the whole session."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -16,6 +17,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from slimkv.config import Config
+from slimkv.engine_stats import EngineStats, LaneCounts
 
 API_KEY = "test-key"
 
@@ -90,6 +92,18 @@ def small_config(**sections: dict) -> Config:
     for section, changes in sections.items():
         config = config.replace(section, **changes)
     return config
+
+
+def engine_stats(**changes) -> EngineStats:
+    """An idle engine's stats snapshot (10 free blocks of 16 tokens), plus ``changes``."""
+    base = EngineStats(
+        model_name="m", k_dtype="int8", v_dtype="int8", bytes_per_token=12420, block_size=16,
+        num_blocks=10, memory={"weights": 1}, watermark=0.7, evict_policy="lru_block",
+        max_concurrency_soft=48, step=0, num_running=0, num_waiting=0,
+        lanes={"fast": LaneCounts(0, 0), "slow": LaneCounts(0, 0)}, num_free_blocks=10,
+        watermark_alert=False, prefix_queries=0, prefix_hits=0, preemptions=0, evictions=0,
+        false_ooms=0)
+    return dataclasses.replace(base, **changes)
 
 
 @pytest.fixture(scope="session")

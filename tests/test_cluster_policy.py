@@ -1,12 +1,14 @@
 """The routing policy as a pure function: no Ray, no model."""
 
+import json
 from collections import Counter
 
 import pytest
+from conftest import engine_stats
 
 from slimkv.cluster.hashing import routing_hashes
 from slimkv.cluster.policy import (Balance, PrefixIndex, ReplicaLoad, RouteKeys,
-                                   rendezvous_score, route)
+                                   rendezvous_score, route, routing_stats)
 from slimkv.config import ClusterConfig
 from slimkv.kv.block_pool import hash_block
 
@@ -132,6 +134,30 @@ def test_kv_pressure_moves_work_to_a_replica_below_the_watermark():
     assert (d.replica, d.reason) == ("r1", "kv")
     replicas = [ReplicaLoad("r0", 3, 0.72, True), ReplicaLoad("r1", 3, 0.71, True)]
     assert route(RouteKeys("s", ("a",)), replicas, index, BALANCE).replica == "r0"  # no better
+
+
+def test_replica_routing_stats_come_from_the_engine_snapshot_and_drive_the_router():
+    """The two ends of Serve's routing stats: what a replica reports from its engine's
+    ``EngineStats`` and the load the router reads back from that dict."""
+    busy = routing_stats(engine_stats(num_running=9, num_waiting=8, num_free_blocks=2,
+                                      watermark_alert=True, step=41))
+    idle = routing_stats(engine_stats(num_running=1, num_free_blocks=9))
+    assert json.loads(json.dumps(busy)) == busy  # plain data: it crosses Ray as is
+    assert (busy["num_requests"], busy["kv_usage"], busy["num_blocks"]) == (17, 0.8, 10)
+    index = PrefixIndex()
+    home = route(RouteKeys("s"), loads(["a", "b"]), index, BALANCE).replica
+    other = "b" if home == "a" else "a"
+    assert ReplicaLoad.from_routing_stats(home, busy) == ReplicaLoad(home, 17, 0.8, True)
+    # the router's own outstanding count wins when larger; no report yet reads as idle
+    assert ReplicaLoad.from_routing_stats(other, idle, outstanding=3) == ReplicaLoad(other, 3, 0.1)
+    assert ReplicaLoad.from_routing_stats(other, None) == ReplicaLoad(other)
+    d = route(RouteKeys("s"), [ReplicaLoad.from_routing_stats(home, busy),
+                               ReplicaLoad.from_routing_stats(other, idle)], index, BALANCE)
+    assert (d.replica, d.reason) == (other, "kv")  # the home is over its KV watermark
+    calm = routing_stats(engine_stats(num_running=17, num_free_blocks=5))
+    d = route(RouteKeys("s"), [ReplicaLoad.from_routing_stats(home, calm),
+                               ReplicaLoad.from_routing_stats(other, idle)], index, BALANCE)
+    assert (d.replica, d.reason) == (other, "load")  # 17 vs 1: past 12 and 1.5x
 
 
 def test_prefix_index_is_bounded_lru_and_forgets_dead_replicas():

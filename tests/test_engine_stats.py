@@ -2,21 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
+from conftest import engine_stats as _stats
 
-from slimkv.engine_stats import CounterDeltas, EngineStats, LaneCounts
+from slimkv.engine_stats import CounterDeltas
 from slimkv.kv.block_pool import BlockPool, hash_block
-
-
-def _stats(**changes) -> EngineStats:
-    base = EngineStats(
-        model_name="m", k_dtype="int8", v_dtype="int8", bytes_per_token=12420, block_size=16,
-        num_blocks=10, memory={"weights": 1}, watermark=0.7, evict_policy="lru_block",
-        max_concurrency_soft=48, step=0, num_running=0, num_waiting=0,
-        lanes={"fast": LaneCounts(0, 0), "slow": LaneCounts(0, 0)}, num_free_blocks=10,
-        watermark_alert=False, prefix_queries=0, prefix_hits=0, preemptions=0, evictions=0,
-        false_ooms=0)
-    return dataclasses.replace(base, **changes)
 
 
 def test_counter_deltas_are_increments_since_the_last_call() -> None:

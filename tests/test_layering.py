@@ -117,11 +117,13 @@ def test_block_bookkeeping_imports_without_torch() -> None:
 
 
 def test_the_server_reads_engine_stats_not_engine_internals() -> None:
-    """Server modules see the engine through ``stats()``, ``block_map()`` and its request
-    API, never its scheduler, pool, manager or runner."""
+    """Server modules (one engine's, and a cluster's replicas and router) see the engine
+    through ``stats()``, ``block_map()`` and its request API, never its scheduler, pool,
+    manager or runner."""
     internals = {"scheduler", "pool", "manager", "runner", "attention", "cache"}
-    reads = [f"{path.name}:{node.lineno} .{node.attr}"
-             for path in sorted((PACKAGE / "server").glob("*.py"))
+    reads = [f"{path.parent.name}/{path.name}:{node.lineno} .{node.attr}"
+             for package in ("server", "cluster")
+             for path in sorted((PACKAGE / package).glob("*.py"))
              for node in ast.walk(ast.parse(path.read_text()))
              if isinstance(node, ast.Attribute) and node.attr in internals
              and not (isinstance(node.value, ast.Attribute) and node.value.attr == "config")]

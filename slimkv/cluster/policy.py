@@ -1,10 +1,12 @@
 """Which replica serves a request: a pure function of the request's routing keys, each
 replica's load and an approximate map of what each replica's prefix cache holds.
 
-No Ray here (only the config dataclass, for the defaults). The Ray Serve router (``slimkv/cluster/router.py``) and the multi-replica
-simulator call :func:`route` the same way: build :class:`RouteKeys` for the request, a
-:class:`ReplicaLoad` per live replica, keep one :class:`PrefixIndex`, then
-``decision = route(keys, loads, index, Balance.from_config(ClusterConfig()))`` and ``index.record(decision.replica, keys.block_hashes)``.
+No Ray here (only the config dataclass, for the defaults, and the engine's stats snapshot,
+for :func:`routing_stats`). The Ray Serve router (``slimkv/cluster/router.py``) and the
+multi-replica simulator call :func:`route` the same way: build :class:`RouteKeys` for the
+request, a :class:`ReplicaLoad` per live replica, keep one :class:`PrefixIndex`, then
+``decision = route(keys, loads, index, Balance.from_config(ClusterConfig()))`` and
+``index.record(decision.replica, keys.block_hashes)``.
 
 The rule:
 
@@ -34,10 +36,12 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from slimkv.config import ClusterConfig
+from slimkv.engine_stats import EngineStats
 
 DEFAULT_PREFIX_CAPACITY = 65536  # blocks remembered per replica when its pool size is unknown
 
@@ -59,6 +63,26 @@ class ReplicaLoad:
     num_requests: int = 0
     kv_usage: float = 0.0
     watermark_alert: bool = False
+
+    @classmethod
+    def from_routing_stats(cls, replica: str, stats: Mapping[str, Any] | None,
+                           outstanding: int = 0) -> ReplicaLoad:
+        """The router's view of a replica: its last :func:`routing_stats` (None or empty
+        before the first report) and the requests this router has outstanding on it (exact
+        and immediate; the replica's count also covers other routers): the larger counts."""
+        stats = stats or {}
+        return cls(replica, max(outstanding, int(stats.get("num_requests", 0))),
+                   float(stats.get("kv_usage", 0.0)), bool(stats.get("watermark_alert", False)))
+
+
+def routing_stats(stats: EngineStats) -> dict[str, Any]:
+    """What a replica reports to the request routers (Ray Serve's ``record_routing_stats``,
+    plain data): load and KV pressure from the engine's stats snapshot, and its pool size
+    (the bound of the router's :class:`PrefixIndex` for it)."""
+    return {"num_requests": stats.num_running + stats.num_waiting,
+            "num_running": stats.num_running, "num_waiting": stats.num_waiting,
+            "kv_usage": stats.usage, "watermark_alert": stats.watermark_alert,
+            "num_blocks": stats.num_blocks, "step": stats.step}
 
 
 @dataclass(frozen=True, slots=True)

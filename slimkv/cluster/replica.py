@@ -6,8 +6,9 @@ is a streaming method: it yields the replica's name first (the ingress turns it 
 ``X-Slimkv-Replica`` header), then the engine's ``RequestOutput``s, or one ``WireError``.
 When the ingress cancels the call (its client went away) the cancellation reaches the
 generator here and the engine request is aborted, returning its blocks.
-``record_routing_stats`` is Serve's hook: the request router sees its dict, refreshed every
-``cluster.stats_period_s``, as ``RunningReplica.routing_stats``.
+``record_routing_stats`` is Serve's hook: the request router sees its dict
+(:func:`slimkv.cluster.policy.routing_stats` of the engine's latest ``EngineStats``),
+refreshed every ``cluster.stats_period_s``, as ``RunningReplica.routing_stats``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from ray import serve
 
+from slimkv.cluster.policy import routing_stats
 from slimkv.cluster.wire import RouteHint, WireError, WireRequest
 from slimkv.config import Config
 from slimkv.engine import LLMEngine
@@ -25,14 +27,6 @@ from slimkv.server.async_engine import AsyncEngine, GenerateRequest
 from slimkv.server.canary import Canary
 from slimkv.server.errors import APIError
 from slimkv.server.metrics import ServerMetrics
-
-
-def routing_stats(engine: LLMEngine) -> dict[str, Any]:
-    """Load and KV pressure as the router sees them (run on the engine thread)."""
-    running, waiting = engine.scheduler.num_running(), engine.scheduler.num_waiting()
-    return {"num_requests": running + waiting, "num_running": running, "num_waiting": waiting,
-            "kv_usage": engine.pool.usage, "watermark_alert": bool(engine.scheduler.watermark_alert),
-            "num_blocks": engine.pool.num_blocks}
 
 
 class EngineReplica:
@@ -69,7 +63,9 @@ class EngineReplica:
         return {"replica": self.name, **await self.engine.cache_state(blocks)}
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        return await self.engine.call(routing_stats)
+        # The snapshot the engine thread took after its last step: answered at once, even
+        # while a long prefill holds the engine thread (Serve times this call out).
+        return routing_stats(self.engine.latest_stats)
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

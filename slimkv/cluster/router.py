@@ -10,7 +10,8 @@ replicas. For requests:
   the first is at ``max_ongoing_requests``. Load is the larger of this router's own count
   of requests outstanding on a replica (exact and immediate) and the running + waiting
   count the replica last reported (covers other ingresses); KV usage and the watermark come
-  from the replica's routing stats.
+  from the replica's routing stats (``policy.routing_stats`` of its engine's stats
+  snapshot, ``ReplicaLoad.from_routing_stats``).
 - :class:`PowerOfTwoRouter` is Ray Serve's default (power of two choices on queue length),
   unchanged; the benchmark's baseline.
 """
@@ -91,9 +92,7 @@ class SlimkvRouter(TargetMixin, RequestRouter):
         stats = replica.routing_stats or {}
         if stats.get("num_blocks"):  # remember at most a pool's worth of blocks per replica
             self.index.capacity = int(stats["num_blocks"])
-        return ReplicaLoad(name, max(self.outstanding[name], int(stats.get("num_requests", 0))),
-                           float(stats.get("kv_usage", 0.0)),
-                           bool(stats.get("watermark_alert", False)))
+        return ReplicaLoad.from_routing_stats(name, stats, self.outstanding[name])
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:

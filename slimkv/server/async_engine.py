@@ -82,7 +82,9 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="slimkv-engine", daemon=True)
         self.history = CacheHistory()  # the dashboard's recent events
         self.step_hooks.append(self.history)
-        metrics.describe_engine(engine.stats())
+        # The engine's stats after the thread's last step (frozen; any thread may read it).
+        self.latest_stats: EngineStats = engine.stats()
+        metrics.describe_engine(self.latest_stats)
 
     @property
     def model_name(self) -> str:
@@ -163,7 +165,7 @@ class AsyncEngine:
             outputs = self._step() if self.engine.has_unfinished() else []
             for out in outputs:
                 self._deliver(out)
-            stats = self.engine.stats()
+            stats = self.latest_stats = self.engine.stats()
             deltas = self._deltas(stats)
             self.metrics.update(stats, deltas, outputs)
             for hook in self.step_hooks:
