@@ -185,12 +185,15 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
+    max_n: int = 8  # the most choices (``n``) one request may ask for
 
     def __post_init__(self) -> None:
         _check(isinstance(self.port, int) and 0 <= self.port < 65536,
                "server.port", f"must be a TCP port number, got {self.port!r}")
         _check(isinstance(self.max_body_bytes, int) and self.max_body_bytes > 0,
                "server.max_body_bytes", "must be a positive integer")
+        _check(isinstance(self.max_n, int) and self.max_n >= 1,
+               "server.max_n", "must be an integer >= 1")
 
 
 @dataclass(slots=True)
