@@ -19,9 +19,11 @@ from slimkv.engine_stats import BlockInfo, EngineStats, LaneCounts
 from slimkv.kv.block_pool import BlockPool
 from slimkv.kv.contiguous import ContiguousKVManager
 from slimkv.kv.manager import KVCacheManager
-from slimkv.outputs import Detokenizer, RequestOutput, TokenLogprob
+from slimkv.choices import Choices
+from slimkv.logprobs import SampledToken, token_logprobs
+from slimkv.outputs import Detokenizer, RequestOutput
 from slimkv.runner import ModelRunner
-from slimkv.sampling import SampledToken, SamplingParams
+from slimkv.sampling import SamplingParams
 from slimkv.scheduler import Scheduler
 from slimkv.sequence import Sequence, SequenceStatus
 
@@ -47,9 +49,8 @@ class LLMEngine:
                                             num_staging_slots=slots))
         self.scheduler = Scheduler(kv, config.scheduler, self.manager)
         self.detokenizer = Detokenizer(self.tokenizer)
-        self.requests: dict[str, Sequence] = {}         # every live sequence, by its own id
-        self.groups: dict[str, list[Sequence]] = {}     # a request's n sequences
-        self.held: dict[str, list[Sequence]] = {}       # choices 2..n, until 1 has prefilled
+        self.requests: dict[str, Sequence] = {}  # every live sequence, by its own id
+        self.choices = Choices()
         self.num_steps = 0
         self.finished_reasons: Counter[str] = Counter()
         self._ids = itertools.count()
@@ -66,13 +67,11 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None,
                     session_id: Hashable | None = None) -> Sequence:
-        """Queue a request; returns its first sequence. With ``params.n > 1`` the other
-        choices wait until the first has prefilled, then take the prompt's full blocks
-        from the prefix cache (only the last, partial block is computed again)."""
+        """Queue a request; returns its first sequence (``n`` choices: slimkv.choices)."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_request(ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self.groups:
+        if request_id in self.choices:
             raise RequestError(f"request id {request_id!r} is already in use")
         group = [Sequence(request_id, ids, params, session_id=session_id if i == 0 else None,
                           index=i) for i in range(params.n)]
@@ -81,10 +80,8 @@ class LLMEngine:
                            if params.json_schema is not None else None)
             seq.arrival_step = self.num_steps
             self.requests[seq.request_id] = seq
-        self.groups[request_id] = group
+        self.choices.add(group)
         self.scheduler.add(group[0])
-        if params.n > 1:
-            self.held[request_id] = group[1:]
         return group[0]
 
     def check_request(self, ids: list[int], params: SamplingParams) -> None:
@@ -103,14 +100,14 @@ class LLMEngine:
                                f"{self.pool.num_blocks}")
 
     def abort_request(self, request_id: str) -> None:
-        for seq in list(self.groups.get(request_id, ())):
+        for seq in self.choices.of(request_id):
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self._finish(seq)
 
     def has_request(self, request_id: str) -> bool:
         """Whether some choice of the request is still queued or running."""
-        return request_id in self.groups
+        return request_id in self.choices
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -174,15 +171,9 @@ class LLMEngine:
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
             self.manager.cache_full_blocks(seq)
-        self._release_held()
+        for seq in self.choices.ready():
+            self.scheduler.add(seq)
         return [self._append_token(seq, token) for seq, token in sampled]
-
-    def _release_held(self) -> None:
-        """Queue the other choices of requests whose first choice has prefilled."""
-        for request_id in [r for r, seqs in self.held.items()
-                           if self.groups[r][0].num_computed_tokens >= seqs[0].num_prompt_tokens]:
-            for seq in self.held.pop(request_id):
-                self.scheduler.add(seq)
 
     def score(self, token_ids: list[int], chunk: int | None = None) -> torch.Tensor:
         """Teacher-forced logits [len, vocab] at every position of ``token_ids``, through the
@@ -224,7 +215,8 @@ class LLMEngine:
         if seq.finish_reason is not None:
             self._finish(seq)
         return RequestOutput(
-            request_id=seq.parent_id, index=seq.index, logprobs=self._logprobs(sampled),
+            request_id=seq.parent_id, index=seq.index,
+            logprobs=token_logprobs(self.tokenizer, sampled),
             new_token_ids=[token], new_text=new_text,
             finished=seq.is_finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
@@ -234,22 +226,10 @@ class LLMEngine:
             ttft=out_ttft, itl=itl,
             e2e=(now - seq.arrival_time) if seq.is_finished else None)
 
-    def _logprobs(self, sampled: SampledToken) -> list[TokenLogprob] | None:
-        if sampled.logprob is None:
-            return None
-        texts = self.tokenizer.token_texts([sampled.token_id, *(t for t, _ in sampled.top)])
-        return [TokenLogprob(texts[0], sampled.logprob,
-                             [(text, lp) for text, (_, lp) in zip(texts[1:], sampled.top)])]
-
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
         self.manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         self.finished_reasons[seq.finish_reason] += 1
         del self.requests[seq.request_id]
-        group = self.groups[seq.parent_id]
-        if seq in self.held.get(seq.parent_id, ()):
-            self.held[seq.parent_id].remove(seq)
-        if all(s.is_finished for s in group):
-            del self.groups[seq.parent_id]
-            self.held.pop(seq.parent_id, None)
+        self.choices.finished(seq)

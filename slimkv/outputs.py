@@ -4,17 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from slimkv.logprobs import TokenLogprob
 from slimkv.model.tokenizer import Tokenizer
 from slimkv.sequence import Sequence
-
-
-@dataclass(slots=True)
-class TokenLogprob:
-    """A generated token's log-probability and the top alternatives, best first."""
-
-    token: str
-    logprob: float
-    top: list[tuple[str, float]]
 
 
 @dataclass(slots=True)

@@ -17,7 +17,8 @@ from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
 from slimkv.memory import activation_peak, weight_bytes
 from slimkv.model import load_model
-from slimkv.sampling import SampledToken, Sampler
+from slimkv.logprobs import SampledToken
+from slimkv.sampling import Sampler
 from slimkv.sequence import Sequence
 from slimkv.structured import Grammars
 

@@ -1,33 +1,20 @@
 """The batched sampler (per-request parameters: :mod:`slimkv.sampling_params`).
 
-One call per step over the rows that sample: log-probabilities of the raw logits (for the
-rows that asked: vLLM's default "raw" logprobs, before any processing), then the batched
-logit processors (:mod:`slimkv.logits_process`), the grammar masks of rows with a
-response format (:mod:`slimkv.structured`), and the draw (greedy, or temperature, top-k,
-top-p).
+Per step: raw logprobs (:mod:`slimkv.logprobs`), the batched logit processors
+(:mod:`slimkv.logits_process`), grammar masks (:mod:`slimkv.structured`), then the draw.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from slimkv.logits_process import process_logits_
+from slimkv.logprobs import SampledToken, with_logprobs
 from slimkv.sampling_params import SamplingParams
 from slimkv.sequence import Sequence
 from slimkv.structured import Grammars
 
 __all__ = ["Sampler", "SamplingParams", "SampledToken"]
-
-
-@dataclass(slots=True)
-class SampledToken:
-    """A sampled token; with logprobs when its request asked: its own and the top ones."""
-
-    token_id: int
-    logprob: float | None = None
-    top: list[tuple[int, float]] | None = None
 
 
 class Sampler:
@@ -49,7 +36,7 @@ class Sampler:
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         if constrained:
             Grammars.advance([m for _, m in constrained], [tokens[row] for row, _ in constrained])
-        return _with_logprobs(tokens, raw, asks)
+        return with_logprobs(tokens, raw, asks)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
@@ -73,16 +60,3 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | 
         logits = logits.index_fill(0, order[drop], float("-inf"))
     probs = logits.softmax(-1)
     return int(torch.multinomial(probs, 1, generator=gen).item())
-
-
-def _with_logprobs(tokens: list[int], raw: torch.Tensor | None,
-                   asks: list[int | None]) -> list[SampledToken]:
-    if raw is None:
-        return [SampledToken(t) for t in tokens]
-    chosen = raw.gather(1, torch.tensor(tokens, device=raw.device).unsqueeze(1))[:, 0].tolist()
-    k = max(a for a in asks if a is not None)
-    top_values, top_ids = (raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long()))
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    return [SampledToken(t) if ask is None else
-            SampledToken(t, chosen[row], list(zip(top_ids[row][:ask], top_values[row][:ask])))
-            for row, (t, ask) in enumerate(zip(tokens, asks))]

@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "slimkv"
 CORE_LAYERS = [
     ["slimkv.config", "slimkv.stats", "slimkv.engine_stats"],
     ["slimkv.model", "slimkv.sampling_params", "slimkv.sampling", "slimkv.logits_process",
-     "slimkv.structured", "slimkv.kv.quant",
+     "slimkv.structured", "slimkv.logprobs", "slimkv.choices", "slimkv.kv.quant",
      "slimkv.kv.block_scales", "slimkv.kv.layers", "slimkv.kv.block_pool", "slimkv.sequence",
      "slimkv.kv.manager", "slimkv.kv.contiguous", "slimkv.outputs"],
     ["slimkv.kv.cache", "slimkv.kv.staging", "slimkv.kv", "slimkv.kernels"],

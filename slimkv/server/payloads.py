@@ -7,7 +7,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from slimkv.outputs import RequestOutput, TokenLogprob
+from slimkv.logprobs import TokenLogprob
+from slimkv.outputs import RequestOutput
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -Infinity
 
