@@ -16,7 +16,7 @@ from slimkv.config import Config
 from slimkv.llm import LLM
 from slimkv.outputs import RequestOutput
 from slimkv.sampling import SamplingParams
-from slimkv.structured import JSON_OBJECT_SCHEMA, canonical_schema
+from slimkv.structured import canonical_schema
 
 pytestmark = pytest.mark.slow
 
@@ -118,10 +118,11 @@ SCHEMAS = {
                          "required": ["color", "ok"],
                          "properties": {"color": {"enum": ["red", "green", "blue"]},
                                         "ok": {"type": "boolean"}}},
-    "json_object": JSON_OBJECT_SCHEMA,
 }
-ASK = {"person": "a person's name and age", "enum and boolean": "a color and a boolean",
-       "json_object": 'one key, "answer", with a number'}
+# JSON mode ({"type": "json_object"}) bounds nothing: at temperature 1 this 135M model can
+# wander off inside a string past max_tokens, so it is tested over HTTP at temperature 0
+# (tests/test_server_options.py), not here.
+ASK = {"person": "a person's name and age", "enum and boolean": "a color and a boolean"}
 
 
 @pytest.mark.parametrize("name", list(SCHEMAS))

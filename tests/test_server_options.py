@@ -148,7 +148,8 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["fruit",
     ({"type": "json_object"}, {"type": "object"}),
 ])
 def test_response_format_returns_valid_json(server, fmt, schema):
-    reply = chat(server, response_format=fmt, max_tokens=60, temperature=0)
+    ask = [{"role": "user", "content": 'Name a fruit as JSON, like {"fruit": "apple", "count": 1}.'}]
+    reply = chat(server, messages=ask, response_format=fmt, max_tokens=60, temperature=0)
     choice = reply["choices"][0]
     assert choice["finish_reason"] == "stop"
     jsonschema.validate(json.loads(choice["message"]["content"]), schema)
