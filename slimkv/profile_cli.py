@@ -56,13 +56,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
     measured = run_workload(engine, args.sessions, args.context)
     share, advice = recommend(engine, measured, args.sessions, args.context)
     report = {"model": engine.model_name, "device": str(engine.runner.device),
+              "weights_class": engine.runner.weights_class,
               "kv_dtype": {"k": engine.runner.k_dtype, "v": engine.runner.v_dtype}, "sessions": args.sessions,
               "context": args.context, "bytes": measured, "kv_share": share, "recommendation": advice}
     if args.json:
         print_json(report)
         return 0
     m = measured
-    print(f"{engine.model_name} on {engine.runner.device}, KV {engine.runner.k_dtype}/{engine.runner.v_dtype} "
+    print(f"{engine.model_name} on {engine.runner.device}, weights {engine.runner.weights_class}, "
+          f"KV {engine.runner.k_dtype}/{engine.runner.v_dtype} "
           f"(K scales {engine.config.kv_cache.k_scale}), "
           f"{args.sessions} sessions x {args.context} tokens")
     for key in ("weights", "kv_allocated", "kv_in_use", "kv_staging", "activations",

@@ -60,6 +60,15 @@ def resolve_weights(config_weights: str, config_dtype: str, device: torch.device
     return "float"
 
 
+def weights_class(model: torch.nn.Module) -> str:
+    """What the loaded weights are held in, e.g. ``int4 layers, int8 head`` or ``bfloat16``."""
+    head = getattr(model, "lm_head", None)
+    layer = model.layers[0].attention.wqkv
+    if not hasattr(layer, "bits"):
+        return str(layer.weight.dtype).removeprefix("torch.")
+    return f"int{layer.bits} layers, {f'int{head.bits}' if head else 'float'} head"
+
+
 def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
@@ -82,6 +91,7 @@ class ModelRunner:
         model_dtype = str(self.dtype).removeprefix("torch.")
         self.model_args, self.model, self.tokenizer = load_model(
             config.model.path, self.dtype, self.device, self.weights)
+        self.weights_class = weights_class(self.model)
         args, kv = self.model_args, config.kv_cache
         self.max_model_len = min(config.model.max_model_len or args.max_position_embeddings,
                                  args.max_position_embeddings)

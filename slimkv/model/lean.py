@@ -28,6 +28,8 @@ class QuantBlock(nn.Module):
         super().__init__()
         self.attention_norm, self.attention = block.attention_norm, block.attention
         self.ffn_norm, self.feed_forward = block.ffn_norm, block.feed_forward
+        for norm in (self.attention_norm, self.ffn_norm):  # read by the kernel only
+            norm.weight.data = norm.weight.data.float()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionFn) -> Tensor:
         """``x [T, hidden]`` float32, updated in place and returned; ``cos``, ``sin``
