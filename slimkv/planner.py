@@ -129,7 +129,7 @@ def plan(model: str, memory: int, *, context: int = 32768, sessions: int = 48,
     dtype = getattr(torch, WEIGHT_DTYPES[weight_dtype])
     weights = model_weight_bytes(args, dtype)
     reserve = max(activation_peak(args, dtype, torch.device("cpu"), k_dtype=kv, v_dtype=kv,
-                                  block_size=block_size, num_tokens=batch_tokens,
+                                  k_scale=k_scale, block_size=block_size, num_tokens=batch_tokens,
                                   num_logit_rows=sessions) for kv in kv_dtypes)
     budget = memory - weights - reserve
     if budget < 0:

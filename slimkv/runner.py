@@ -86,8 +86,10 @@ class ModelRunner:
                 "(set kv_cache.strict: false to serve on the reference path anyway)")
         self.activation_bytes = activation_peak(
             args, self.dtype, self.device, k_dtype=self.k_dtype, v_dtype=self.v_dtype,
-            block_size=kv.block_size, num_tokens=config.scheduler.max_num_batched_tokens,
-            num_logit_rows=kv.max_concurrency_soft, max_len=self.max_model_len)
+            k_scale=kv.k_scale, block_size=kv.block_size,
+            num_tokens=config.scheduler.max_num_batched_tokens,
+            num_logit_rows=kv.max_concurrency_soft, max_len=self.max_model_len,
+            layer_dtypes=kv.layer_dtypes)
         self.sampler = Sampler()
 
     def _num_blocks(self, shape: dict) -> int:
