@@ -156,3 +156,20 @@ def test_contiguous_manager_reserves_max_model_len_and_counts_false_ooms():
     manager.free(seqs[0])
     assert seqs[0].staging_slot is None and pool.num_free_blocks == 5
     assert manager.can_allocate(seqs[2], 2)
+
+
+def test_prefix_counters_count_each_admission_once_under_memory_pressure():
+    """A waiting request that fails can_allocate step after step is looked up each time,
+    but counted (queries and hits) once, when it is admitted."""
+    sim = Sim(num_blocks=8, budget=64)
+    sim.add("a", 5 * BS - 1, max_tokens=4)                  # 5 blocks, 6 while it decodes
+    waiter = sim.add("b", 4 * BS, max_tokens=1, base=1000)  # 4 blocks: 3 are free
+    for _ in range(4):
+        sim.step()
+        assert waiter.status is SequenceStatus.WAITING
+    sim.run()
+    again = sim.add("c", 4 * BS, max_tokens=1, base=1000)   # b's first 3 blocks are cached
+    sim.run()
+    assert waiter.is_finished and again.num_cached_tokens == 3 * BS
+    assert (sim.manager.num_prefix_queries, sim.manager.num_prefix_hits) == (
+        (5 * BS - 1) + 4 * BS + 4 * BS, 3 * BS)
