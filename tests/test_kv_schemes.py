@@ -159,7 +159,7 @@ def test_bytes_match_allocation(name: str, k_scale: str) -> None:
     assert cache.nbytes == NUM_BLOCKS * PagedKVCache.block_bytes(**shape, block_size=BLOCK)
     assert staging.nbytes == Staging.bytes(2, KV_HEADS, HEAD_DIM, BLOCK, SLOTS, torch.float32)
     assert PagedKVCache.num_blocks_for_budget(
-        cache.nbytes + staging.nbytes, BLOCK, **shape, reserved_bytes=staging.nbytes) == NUM_BLOCKS
+        cache.nbytes + staging.nbytes, staging.nbytes, **shape, block_size=BLOCK) == NUM_BLOCKS
 
 
 def test_planner_accounts_for_block_scales_and_staging() -> None:
