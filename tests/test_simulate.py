@@ -138,3 +138,49 @@ def test_batch_reports_context_before_the_new_tokens():
     assert seen[0].new_tokens == (40,) and seen[0].context == (0,) and seen[0].num_sampled == 1
     assert seen[1].new_tokens == (1,) and seen[1].context == (40,)
     assert sim.now == pytest.approx(0.04)
+
+
+# -- step-time model, card, fleet ---------------------------------------------------------
+
+def test_decode_step_is_the_weights_and_kv_over_the_bandwidth():
+    """A batch of one decode token on an A100: the roofline is memory-bound, so the step
+    is the weights plus the KV context read at the stated bandwidth efficiency."""
+    from slimkv.simulate.card import Card, Variant
+    from slimkv.simulate.costs import GPU_DEFAULTS, device
+
+    dev = device("A100-80GB")
+    card = Card.build("llama-2-7b", dev, Variant("bfloat16"), 4096)
+    ctx = 1000
+    kv = ctx + 1
+    per_token = 2 * 32 * 4096 * 2                      # K and V, 32 layers, bf16
+    expect = (GPU_DEFAULTS["overhead_s"] + GPU_DEFAULTS["per_seq_s"]
+              + (card.weight_bytes + kv * per_token) / (dev.hbm_gbps * 1e9 * dev.bw_eff))
+    assert card.step_model(Batch((1,), (ctx,), 1)) == pytest.approx(expect)
+    # A 2048-token prefill chunk is compute-bound: ~2 FLOPs per parameter per token.
+    prefill = card.step_model(Batch((2048,), (0,), 1))
+    assert prefill > 2 * 6.5e9 * 2048 / (dev.bf16_tflops * 1e12 * dev.flop_eff)
+
+
+def test_card_pool_is_the_planners():
+    from slimkv.planner import plan
+    from slimkv.simulate.card import Card, Variant
+    from slimkv.simulate.costs import device
+
+    dev = device("A100-80GB")
+    for dtype in ("bfloat16", "int8", "int4"):
+        card = Card.build("qwen2.5-7b", dev, Variant(dtype), 4096, soft=48)
+        p = plan("qwen2.5-7b", dev.memory_bytes, context=4096, sessions=48, kv_dtypes=(dtype,))
+        assert card.num_blocks == p.rows[0].num_blocks and card.kv_budget == p.kv_budget
+
+
+def test_fleet_keeps_sessions_home_and_finishes_turns():
+    from slimkv.simulate.card import Card, Variant
+    from slimkv.simulate.costs import device
+    from slimkv.simulate.fleet import run_fleet
+    from slimkv.simulate.workload import SessionSpec
+
+    card = Card.build("llama-2-7b", device("A100-80GB"), Variant("int8"), 1024)
+    result = run_fleet(card, 3, SessionSpec(1024, 512, 32, think_time=2.0), 30, 40.0, 5.0)
+    assert result["turns_done"] > 30
+    assert set(result["route_reasons"]) <= {"session", "load", "kv"}
+    assert result["route_reasons"]["session"] > 0.9 * sum(result["route_reasons"].values())

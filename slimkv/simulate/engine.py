@@ -64,6 +64,12 @@ class StepRecord:
     finished: list[str] = field(default_factory=list)
     num_tokens: int = 0
     duration: float = 0.0
+    batch: Batch | None = None
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence of the step computed one token (no prefill chunk)."""
+        return self.batch is not None and self.num_tokens == len(self.batch.new_tokens)
 
 
 class SimEngine:
@@ -99,6 +105,10 @@ class SimEngine:
         self.scheduler.add(seq)
         return seq
 
+    def idle_until(self, t: float) -> None:
+        """Nothing to run: the clock jumps to the next arrival."""
+        self.now = max(self.now, t)
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
@@ -127,7 +137,7 @@ class SimEngine:
         sampled = [seq for seq, n in out.scheduled if seq.num_computed_tokens + n == seq.num_tokens]
         batch = Batch(tuple(n for _, n in out.scheduled),
                       tuple(seq.num_computed_tokens for seq, _ in out.scheduled), len(sampled))
-        record.num_tokens = batch.num_tokens
+        record.num_tokens, record.batch = batch.num_tokens, batch
         record.duration = self.step_time(batch)
         self.now += record.duration
         for seq, n in out.scheduled:
