@@ -36,6 +36,8 @@ class KVCacheManager:
         self.session_ttl_s = session_ttl_s
         self.sessions: dict[Hashable, _Session] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
+        self._num_offered: dict[str, int] = {}  # full blocks already offered to the index
+        self.clock = time.monotonic  # a simulator sets its own (session ages)
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hits = 0     # of those, tokens found
 
@@ -86,10 +88,16 @@ class KVCacheManager:
         seq.blocks.extend(self.pool.get_new_blocks(need))
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Index the blocks whose tokens are all computed by their chained hash."""
+        """Index the blocks whose tokens are all computed by their chained hash; each block
+        is offered once per allocation (as vLLM's ``num_cached_block``), not every step."""
         num_full = seq.num_computed_tokens // self.block_size
-        for block, block_hash in zip(seq.blocks[:num_full], self._block_hashes(seq, num_full)):
-            self.pool.cache_block(block, block_hash)
+        start = self._num_offered.get(seq.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(seq, num_full)
+        for i in range(start, num_full):
+            self.pool.cache_block(seq.blocks[i], hashes[i])
+        self._num_offered[seq.request_id] = num_full
 
     def assign_staging_slot(self, seq: Sequence) -> None:
         """A staging slot (:mod:`slimkv.kv.staging`) from the first allocation until
@@ -112,9 +120,10 @@ class KVCacheManager:
         self.pool.free_blocks(reversed(seq.blocks))
         seq.blocks = []
         self._hashes.pop(seq.request_id, None)
+        self._num_offered.pop(seq.request_id, None)
 
     def expire_sessions(self, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         for sid in [s for s, info in self.sessions.items()
                     if now - info.last_seen > self.session_ttl_s]:
             info = self.sessions.pop(sid)
@@ -122,7 +131,7 @@ class KVCacheManager:
 
     def _remember_session(self, seq: Sequence) -> None:
         info = self.sessions.setdefault(seq.session_id, _Session(seq.num_prompt_tokens, 0.0))
-        info.last_seen = time.monotonic()
+        info.last_seen = self.clock()
         num_full = min(info.head_tokens, seq.num_computed_tokens) // self.block_size
         info.head_blocks = [b for b in seq.blocks[:num_full] if b.block_hash is not None]
         self.pool.set_session_head(info.head_blocks, seq.session_id)
