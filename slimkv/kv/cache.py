@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slimkv.kv.layers import LayerDtypes, layer_codecs, side_codec
-from slimkv.kv.quant import AUX_DTYPE, KVCodec, QuantizedKV, make_codec
+from slimkv.kv.layers import LayerDtypes, layer_codecs, side_codec, side_codecs
+from slimkv.kv.quant import AUX_DTYPE, KVCodec, QuantizedKV
 from slimkv.stats import cdiv
 
 _SIDES = ("k", "v")
@@ -59,8 +59,7 @@ class PagedKVCache:
         self.device = torch.device(device)
         self.k_scale = k_scale
         self.layer_dtypes = layer_dtypes
-        self.codecs: dict[str, KVCodec] = {
-            "k": side_codec(k_dtype, head_dim, k_scale), "v": make_codec(v_dtype, head_dim)}
+        self.codecs = side_codecs(k_dtype, v_dtype, head_dim, k_scale)
         self.layer_codecs = layer_codecs(num_layers, head_dim, k_dtype, v_dtype, k_scale,
                                          layer_dtypes)
         self._groups = self._group_layers()
