@@ -185,11 +185,13 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
+    max_n: int = 8  # the most choices (``n``) one request may ask for
 
     def __post_init__(self) -> None:
         _check(isinstance(self.port, int) and 0 <= self.port < 65536,
                "server.port", f"must be a TCP port number, got {self.port!r}")
         _check_int(self.max_body_bytes, "server.max_body_bytes")
+        _check_int(self.max_n, "server.max_n")
 
 
 @dataclass(slots=True)

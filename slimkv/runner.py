@@ -17,8 +17,10 @@ from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
 from slimkv.memory import activation_peak, weight_bytes
 from slimkv.model import load_model
+from slimkv.logprobs import SampledToken
 from slimkv.sampling import Sampler
 from slimkv.sequence import Sequence
+from slimkv.structured import Grammars
 
 GiB = 1 << 30
 _CPU_BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
@@ -91,7 +93,9 @@ class ModelRunner:
             num_tokens=config.scheduler.max_num_batched_tokens,
             num_logit_rows=kv.max_concurrency_soft, max_len=self.max_model_len,
             layer_dtypes=kv.layer_dtypes)
-        self.sampler = Sampler()
+        self.grammars = Grammars(self.tokenizer.hf, list(self.tokenizer.eos_token_ids),
+                                 args.vocab_size)
+        self.sampler = Sampler(self.tokenizer.eos_token_ids, self.grammars)
 
     def _num_blocks(self, shape: dict) -> int:
         """``kv_cache.num_blocks``, or what ``memory_gb`` holds once staging is set aside."""
@@ -116,7 +120,8 @@ class ModelRunner:
     # -- one step ----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+    def execute(self, scheduled: list[tuple[Sequence, int]]
+                ) -> list[tuple[Sequence, SampledToken]]:
         """Run the scheduled tokens; each sequence whose step reaches its last token
         samples one: ``(sequence, token)`` pairs in batch order."""
         meta, rows, seqs = self._prepare(scheduled)
@@ -124,16 +129,18 @@ class ModelRunner:
         if not rows:
             return []
         logits = self.model.compute_logits(hidden[rows])
-        tokens = self.sampler(logits, [s.params for s in seqs],
-                              [self._generator(s, logits.device) for s in seqs])
-        return list(zip(seqs, tokens))
+        for seq in seqs:
+            self._generator(seq, logits.device)
+        return list(zip(seqs, self.sampler(logits, seqs)))
 
     @staticmethod
     def _generator(seq: Sequence, device: torch.device) -> torch.Generator | None:
         """The seeded request's own generator, made on first use and kept (preemption
-        included), so its samples do not depend on the batch it runs in."""
+        included), so its samples do not depend on the batch it runs in; choice ``i`` of
+        ``n`` uses ``seed + i``."""
         if seq.generator is None and seq.params.seed is not None:
-            seq.generator = torch.Generator(device).manual_seed(seq.params.seed)
+            seed = seq.params.seed + seq.index  # each of the n choices draws its own
+            seq.generator = torch.Generator(device).manual_seed(seed % 2**64 if seed >= 0 else seed)
         return seq.generator
 
     @torch.inference_mode()

@@ -18,7 +18,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "slimkv"
 # The serving core, bottom-up; a module may import its own layer and the layers below.
 CORE_LAYERS = [
     ["slimkv.config", "slimkv.stats", "slimkv.engine_stats"],
-    ["slimkv.model", "slimkv.sampling_params", "slimkv.sampling", "slimkv.kv.quant",
+    ["slimkv.model", "slimkv.sampling_params", "slimkv.sampling", "slimkv.logits_process",
+     "slimkv.structured", "slimkv.logprobs", "slimkv.choices", "slimkv.kv.quant",
      "slimkv.kv.block_scales", "slimkv.kv.layers", "slimkv.kv.block_pool", "slimkv.sequence",
      "slimkv.kv.manager", "slimkv.kv.contiguous", "slimkv.outputs"],
     ["slimkv.kv.cache", "slimkv.kv.staging", "slimkv.kv", "slimkv.kernels"],
