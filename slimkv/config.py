@@ -29,6 +29,7 @@ V_SCALES = ("per_token", "group32")
 # Chosen by the eval harness: see README, "KV scale layouts".
 DEFAULT_K_SCALE = "per_channel_block"
 EVICT_POLICIES = ("lru_block", "fifo")
+OFFLOAD_WRITES = ("evict", "idle")
 SCHEDULER_POLICIES = ("weighted", "fcfs")
 ROUTERS = ("slimkv", "pow2")  # cluster.router: ours, or Ray Serve's power of two choices
 DEFAULT_CONFIG_PATH = Path(__file__).parent / "configs" / "default.yaml"
@@ -73,6 +74,32 @@ class ModelConfig:
 
 
 @dataclass(slots=True)
+class OffloadConfig:
+    """``kv_cache.offload``: the second KV tier (slimkv/kv/offload/). ``host_gb`` of host
+    memory, then ``disk_gb`` under ``disk_path`` (no disk tier when None). ``write: evict``
+    stores a chunk when the pool evicts it; ``idle`` also stores the chunks of sequences
+    idle for ``idle_s``, so they survive a restart."""
+
+    host_gb: float = 4.0
+    disk_path: str | None = None
+    disk_gb: float = 50.0
+    write: str = "evict"
+    idle_s: float = 30.0
+    queue_chunks: int = 64
+
+    def __post_init__(self) -> None:
+        for key in ("host_gb", "disk_gb", "idle_s"):
+            value = getattr(self, key)
+            _check(isinstance(value, (int, float)) and value >= 0, f"kv_cache.offload.{key}",
+                   f"must be a number >= 0, got {value!r}")
+        _check(self.host_gb > 0 or self.disk_path is not None, "kv_cache.offload",
+               "set host_gb > 0 or a disk_path")
+        _check_choice(self.write, OFFLOAD_WRITES, "kv_cache.offload.write")
+        _check(isinstance(self.queue_chunks, int) and self.queue_chunks > 0,
+               "kv_cache.offload.queue_chunks", "must be a positive integer")
+
+
+@dataclass(slots=True)
 class KVCacheConfig:
     """The paged KV pool: its size, element formats and eviction policy."""
 
@@ -92,6 +119,7 @@ class KVCacheConfig:
     watermark_hysteresis: float = 0.05
     strict: bool = True
     layer_dtypes: dict[str, list[int]] | None = None
+    offload: OffloadConfig | None = None
 
     def __post_init__(self) -> None:
         _check_choice(self.dtype, KV_DTYPES, "kv_cache.dtype")
@@ -120,6 +148,12 @@ class KVCacheConfig:
         _check_fraction(self.watermark_hysteresis, "kv_cache.watermark_hysteresis", allow_zero=True)
         if self.layer_dtypes is not None:
             _check_layer_dtypes(self.layer_dtypes)
+        if isinstance(self.offload, dict):
+            _reject_unknown(self.offload, OffloadConfig.__dataclass_fields__, "kv_cache.offload.")
+            self.offload = OffloadConfig(**self.offload)
+        if self.offload is not None:
+            _check(self.paged and self.enable_prefix_caching, "kv_cache.offload",
+                   "needs a paged KV cache with prefix caching")
 
     @property
     def key_dtype(self) -> str:

@@ -16,7 +16,7 @@ from slimkv.config import Config, ConfigError
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
 from slimkv.memory import activation_peak, weight_bytes
-from slimkv.model import load_model
+from slimkv.model import default_model_path, load_model
 from slimkv.sampling import Sampler
 from slimkv.sequence import Sequence
 
@@ -59,8 +59,9 @@ class ModelRunner:
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         model_dtype = str(self.dtype).removeprefix("torch.")
+        self.model_path = config.model.path or default_model_path()
         self.model_args, self.model, self.tokenizer = load_model(
-            config.model.path, self.dtype, self.device)
+            self.model_path, self.dtype, self.device)
         args, kv = self.model_args, config.kv_cache
         self.max_model_len = min(config.model.max_model_len or args.max_position_embeddings,
                                  args.max_position_embeddings)

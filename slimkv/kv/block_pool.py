@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Hashable
 
 BlockHash = bytes  # 16-byte chained digest: the same in every process, run and replica
@@ -120,6 +120,9 @@ class BlockPool:
         self.evict_policy = evict_policy
         self.num_evictions = 0
         self._clock = 0
+        # Called with a cached block about to lose its content (the offload tier's
+        # write-back); the block still holds its hash and data.
+        self.on_evict: Callable[[Block], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -204,6 +207,8 @@ class BlockPool:
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
+            if self.on_evict is not None:
+                self.on_evict(block)
             del self.cached[block.block_hash]
             block.block_hash = None
             self.num_evictions += 1

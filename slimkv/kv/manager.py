@@ -37,9 +37,11 @@ class KVCacheManager:
         self._hashes: dict[str, list[BlockHash]] = {}
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hits = 0     # of those, tokens found
+        self.tier = None  # the offload tier (slimkv.kv.offload.tier), set by the engine
 
     def get_computed_blocks(self, seq: Sequence) -> list[Block]:
-        """Longest run of cached full blocks at the start of the sequence's tokens.
+        """Longest run of cached full blocks at the start of the sequence's tokens, the
+        pool's and then those the offload tier loads into it.
 
         At least one token is always left to compute, since its logits are needed."""
         hashes = self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
@@ -49,6 +51,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.tier is not None and len(hits) < len(hashes):
+            hits += self.tier.extend(hashes, hits)  # loaded from host or disk
         self.num_prefix_queries += seq.num_tokens
         self.num_prefix_hits += len(hits) * self.block_size
         return hits
@@ -104,6 +108,8 @@ class KVCacheManager:
             seq.staging_slot = None
         if seq.session_id is not None:
             self._remember_session(seq)
+        if self.tier is not None:
+            self.tier.on_free(self._hashes.get(seq.request_id, ()))
         self.pool.free_blocks(reversed(seq.blocks))
         seq.blocks = []
         self._hashes.pop(seq.request_id, None)
