@@ -24,10 +24,15 @@ KV_DTYPES = (
 # kv_cache.layer_dtypes names concrete formats only.
 LAYER_KV_DTYPES = tuple(d for d in KV_DTYPES if d != "auto")
 # Scale layouts (float KV dtypes have no scales and ignore them; see slimkv/kv/cache.py).
+# Key scale layouts; values are always scaled per token-head (int4: per group of 32).
 K_SCALES = ("per_token", "per_channel_block")
-V_SCALES = ("per_token", "group32")
 # Chosen by the eval harness: see README, "KV scale layouts".
 DEFAULT_K_SCALE = "per_channel_block"
+# Keys that were removed, with what to do instead: an old config fails naming them.
+REMOVED_KEYS = {
+    "kv_cache.v_scale": "values are always scaled per token-head (int4: per group of 32); "
+                        "the key never changed anything, delete it",
+}
 EVICT_POLICIES = ("lru_block", "fifo")
 OFFLOAD_WRITES = ("evict", "idle")
 SCHEDULER_POLICIES = ("weighted", "fcfs")
@@ -59,7 +64,7 @@ class ModelConfig:
     """Which model to serve. ``path`` None means the embedded SmolLM2-135M-Instruct GGUF."""
 
     path: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
     name: str | None = None
@@ -107,7 +112,6 @@ class KVCacheConfig:
     k_dtype: str | None = None
     v_dtype: str | None = None
     k_scale: str = DEFAULT_K_SCALE
-    v_scale: str = "per_token"
     paged: bool = True
     block_size: int = 16
     memory_gb: float | None = 1.0
@@ -119,6 +123,7 @@ class KVCacheConfig:
     watermark_hysteresis: float = 0.05
     strict: bool = True
     layer_dtypes: dict[str, list[int]] | None = None
+    session_ttl_s: float = 600.0
     offload: OffloadConfig | None = None
 
     def __post_init__(self) -> None:
@@ -128,7 +133,6 @@ class KVCacheConfig:
             if value is not None:
                 _check_choice(value, KV_DTYPES, f"kv_cache.{key}")
         _check_choice(self.k_scale, K_SCALES, "kv_cache.k_scale")
-        _check_choice(self.v_scale, V_SCALES, "kv_cache.v_scale")
         _check(isinstance(self.paged, bool), "kv_cache.paged", "must be true or false")
         _check(isinstance(self.block_size, int) and 1 <= self.block_size <= 256
                and self.block_size & (self.block_size - 1) == 0,
@@ -154,6 +158,8 @@ class KVCacheConfig:
         if self.offload is not None:
             _check(self.paged and self.enable_prefix_caching, "kv_cache.offload",
                    "needs a paged KV cache with prefix caching")
+        _check(isinstance(self.session_ttl_s, (int, float)) and self.session_ttl_s > 0,
+               "kv_cache.session_ttl_s", "must be a positive number of seconds")
 
     @property
     def key_dtype(self) -> str:
@@ -340,6 +346,8 @@ class Config:
 
 def _reject_unknown(values: dict[str, Any], known: Any, prefix: str) -> None:
     for key in values:
+        if f"{prefix}{key}" in REMOVED_KEYS:
+            raise ConfigError(f"{prefix}{key}: removed: {REMOVED_KEYS[f'{prefix}{key}']}")
         if key not in known:
             close = difflib.get_close_matches(str(key), list(known), n=1)
             hint = f" (did you mean {prefix}{close[0]}?)" if close else ""

@@ -43,11 +43,10 @@ class LLMEngine:
         kv = config.kv_cache
         self.pool = BlockPool(self.runner.cache.num_blocks,
                               kv.enable_prefix_caching and kv.paged, kv.evict_policy)
-        slots = self.runner.num_staging_slots
-        self.manager = (KVCacheManager(self.pool, kv.block_size, num_staging_slots=slots)
-                        if kv.paged else
-                        ContiguousKVManager(self.pool, kv.block_size, self.max_model_len,
-                                            num_staging_slots=slots))
+        opts = dict(session_ttl_s=kv.session_ttl_s,
+                    num_staging_slots=self.runner.num_staging_slots)
+        self.manager = (KVCacheManager(self.pool, kv.block_size, **opts) if kv.paged else
+                        ContiguousKVManager(self.pool, kv.block_size, self.max_model_len, **opts))
         self.tier = self._offload_tier() if kv.offload is not None else None
         self.scheduler = Scheduler(kv, config.scheduler, self.manager)
         self.detokenizer = Detokenizer(self.tokenizer)
@@ -106,7 +105,7 @@ class LLMEngine:
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the "
                 f"request needs {total} ({len(ids)} in the prompt, {params.max_tokens} to generate)")
-        blocks = self.manager.blocks_for(total)
+        blocks = self.manager.max_blocks(total)
         if blocks > self.pool.num_blocks:
             raise RequestError(f"the request needs {blocks} KV blocks; the pool has "
                                f"{self.pool.num_blocks}")

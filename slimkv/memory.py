@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten
 from slimkv.attention import AttentionMetadata, PagedAttention
 from slimkv.kv.cache import PagedKVCache
 from slimkv.model.llama import ModelArgs, Transformer
+from slimkv.stats import cdiv
 
 
 class LiveBytes(TorchDispatchMode):
@@ -75,7 +76,7 @@ def profile_batch(num_tokens: int, max_len: int, block_size: int,
     """Input ids, positions and metadata of prompts totalling ``num_tokens`` tokens, each at
     most ``max_len`` long, on consecutive blocks from block 0."""
     lens = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
-    blocks = [-(-n // block_size) for n in lens]
+    blocks = [cdiv(n, block_size) for n in lens]
     first = [sum(blocks[:i]) for i in range(len(lens))]
     tables = [list(range(f, f + b)) for f, b in zip(first, blocks)]
     meta = AttentionMetadata.build(block_size, tables, lens, lens, device)
@@ -95,9 +96,10 @@ def activation_peak(args: ModelArgs, dtype: torch.dtype, device: torch.device, *
         model = Transformer(dataclasses.replace(args, num_layers=min(args.num_layers, 2)), dtype,
                             device)
         ids, positions, meta = profile_batch(num_tokens, max_len, block_size, device)
-        cache = PagedKVCache(num_layers=len(model.layers), num_blocks=sum(-(-n // block_size) for n in meta.seq_lens),
+        cache = PagedKVCache(num_layers=len(model.layers), num_blocks=sum(cdiv(n, block_size) for n in meta.seq_lens),
                              block_size=block_size, num_kv_heads=args.num_kv_heads,
-                             head_dim=args.head_dim, k_dtype=k_dtype, v_dtype=v_dtype, device=device)
+                             head_dim=args.head_dim, k_dtype=k_dtype, v_dtype=v_dtype,
+                             k_scale="per_token", device=device)
         attention = PagedAttention(cache, args.num_heads, args.head_dim ** -0.5, dtype)
         with LiveBytes() as tracker:
             hidden = model(ids, positions, lambda layer, q, k, v: attention(layer, q, k, v, meta))

@@ -22,6 +22,7 @@ from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
 from slimkv.memory import activation_peak, weight_bytes
 from slimkv.model.llama import ModelArgs, Transformer
+from slimkv.stats import cdiv
 
 MODELS_DIR = Path(__file__).parent / "data" / "models"
 PLAN_KV_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
@@ -147,12 +148,12 @@ def _row(args: ModelArgs, kv: str, budget: int, block_size: int, context: int,
     for scoring), as the engine does."""
     shape = dict(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
                  head_dim=args.head_dim, k_dtype=kv, v_dtype=kv, k_scale=k_scale)
-    staged = Staging.needed(kv, kv, args.head_dim, k_scale, None)
+    staged = Staging.needed(kv, kv, args.head_dim, k_scale)
     staging = Staging.bytes(args.num_layers, args.num_kv_heads, args.head_dim, block_size,
                             sessions + 1, dtype) if staged else 0
     blocks = PagedKVCache.num_blocks_for_budget(budget, block_size, **shape, reserved_bytes=staging)
     return KVRow(kv, PagedKVCache.bytes_per_token(**shape, block_size=block_size), blocks,
-                 max_sessions=blocks // -(-context // block_size),
+                 max_sessions=blocks // cdiv(context, block_size),
                  context_at_sessions=blocks // sessions * block_size)
 
 

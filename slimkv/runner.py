@@ -69,10 +69,10 @@ class ModelRunner:
         self.v_dtype = model_dtype if kv.value_dtype == "auto" else kv.value_dtype
         shape = dict(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
                      head_dim=args.head_dim, k_dtype=self.k_dtype, v_dtype=self.v_dtype,
-                     k_scale=kv.k_scale, v_scale=kv.v_scale, layer_dtypes=kv.layer_dtypes)
+                     k_scale=kv.k_scale, layer_dtypes=kv.layer_dtypes)
         self.bytes_per_token = PagedKVCache.bytes_per_token(**shape, block_size=kv.block_size)
         staged = Staging.needed(self.k_dtype, self.v_dtype, args.head_dim, kv.k_scale,
-                                kv.v_scale, kv.layer_dtypes)
+                                kv.layer_dtypes)
         # One staging slot per running sequence, plus one for score().
         self.num_staging_slots = kv.max_concurrency_soft + 1 if staged else 0
         self.cache = PagedKVCache(num_blocks=self._num_blocks(shape), block_size=kv.block_size,

@@ -71,6 +71,14 @@ def live_server(config: Config) -> Iterator[LiveServer]:
     port = free_port()
     config = config.replace("server", port=port)
     app = build_app(config)
+    with serve_app(app, port) as url:
+        yield LiveServer(url, config.server.api_key, app.state.model_name)
+
+
+@contextmanager
+def serve_app(app, port: int | None = None) -> Iterator[str]:
+    """Run an ASGI app under uvicorn in a background thread; yields its base URL."""
+    port = port or free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -79,7 +87,7 @@ def live_server(config: Config) -> Iterator[LiveServer]:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.05)
     try:
-        yield LiveServer(f"http://127.0.0.1:{port}", config.server.api_key, app.state.model_name)
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=30)

@@ -48,7 +48,8 @@ def _sequences(lengths: list[int], seed: int = 0) -> list[Sequence]:
 def _cache(dtype: str = "float32", v_dtype: str | None = None) -> PagedKVCache:
     cache = PagedKVCache(num_layers=2, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
                          num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, k_dtype=dtype,
-                         v_dtype=v_dtype or dtype, device=torch.device("cpu"))
+                         v_dtype=v_dtype or dtype, k_scale="per_token",
+                         device=torch.device("cpu"))
     junk = torch.full((BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), 1e3)  # must never be attended
     cache.write(LAYER, torch.arange(BLOCK_SIZE), junk, junk)
     return cache

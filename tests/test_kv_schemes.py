@@ -17,8 +17,8 @@ from slimkv.kv.staging import Staging
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS, SLOTS = 4, 2, 32, 4, 32, 3
 SCALE = 1 / math.sqrt(HEAD_DIM)
-SCHEMES = [("int8", "per_channel_block", "per_token"), ("fp8", "per_channel_block", "per_token"),
-           ("int4", "per_channel_block", "group32"), ("int4", "per_channel_block", "per_token")]
+SCHEMES = [("int8", "per_channel_block"), ("fp8", "per_channel_block"),
+           ("int4", "per_channel_block")]
 
 
 def _keys(blocks: int = 3, seed: int = 0) -> torch.Tensor:
@@ -80,22 +80,20 @@ def test_packed_int4_layout_per_channel_block() -> None:
     assert torch.equal(Int4Codec.unpack(q.data).float(), levels)
 
 
-def _cache(k_dtype: str, k_scale: str, v_scale: str) -> PagedKVCache:
+def _cache(k_dtype: str, k_scale: str) -> PagedKVCache:
     return PagedKVCache(num_layers=2, num_blocks=NUM_BLOCKS, block_size=BLOCK,
                         num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, k_dtype=k_dtype,
-                        v_dtype=k_dtype, device=torch.device("cpu"), k_scale=k_scale,
-                        v_scale=v_scale)
+                        v_dtype=k_dtype, device=torch.device("cpu"), k_scale=k_scale)
 
 
-def _staged(k_dtype: str, k_scale: str, v_scale: str) -> tuple[PagedKVCache, Staging]:
-    cache = _cache(k_dtype, k_scale, v_scale)
+def _staged(k_dtype: str, k_scale: str) -> tuple[PagedKVCache, Staging]:
+    cache = _cache(k_dtype, k_scale)
     return cache, Staging(cache, SLOTS, torch.float32)
 
 
-@pytest.mark.parametrize("name,k_scale,v_scale", SCHEMES)
-def test_staging_hands_over_at_exactly_block_size_tokens(name: str, k_scale: str,
-                                                         v_scale: str) -> None:
-    cache, staging = _staged(name, k_scale, v_scale)
+@pytest.mark.parametrize("name,k_scale", SCHEMES)
+def test_staging_hands_over_at_exactly_block_size_tokens(name: str, k_scale: str) -> None:
+    cache, staging = _staged(name, k_scale)
     x = _keys(1)[0]
     before = cache.tensors()["k_data"][1, 5].clone()
     blocks = torch.tensor([5])
@@ -115,7 +113,7 @@ def test_staging_hands_over_at_exactly_block_size_tokens(name: str, k_scale: str
 
 def test_staged_cache_refuses_token_writes() -> None:
     with pytest.raises(RuntimeError):
-        _cache("int8", "per_channel_block", "per_token").write(0, torch.arange(2),
+        _cache("int8", "per_channel_block").write(0, torch.arange(2),
                                                                *_keys(1)[0, :2].repeat(2, 1, 1, 1))
 
 
@@ -123,7 +121,7 @@ def _run(name: str, lengths: list[int], schedule: list[list[int]], fast: bool) -
     """Attention outputs ``[sum(lengths), HEADS, D]`` of sequences fed in steps: step ``j``
     gives sequence ``i`` ``schedule[i][j]`` tokens (all sequences in one batch per step)."""
     gen = torch.Generator().manual_seed(1)
-    cache, staging = _staged(name, "per_channel_block", "per_token")
+    cache, staging = _staged(name, "per_channel_block")
     attn = PagedAttention(cache, HEADS, SCALE, torch.float32, fast=fast, staging=staging)
     qkv = [[torch.randn(n, h, HEAD_DIM, generator=gen) * 3 for h in (HEADS, KV_HEADS, KV_HEADS)]
            for n in lengths]
@@ -153,11 +151,11 @@ def test_staged_chunking_invariance_and_fast_equals_reference(name: str) -> None
     torch.testing.assert_close(reference, chunked, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name,k_scale,v_scale", SCHEMES)
-def test_bytes_match_allocation(name: str, k_scale: str, v_scale: str) -> None:
-    cache, staging = _staged(name, k_scale, v_scale)
+@pytest.mark.parametrize("name,k_scale", SCHEMES)
+def test_bytes_match_allocation(name: str, k_scale: str) -> None:
+    cache, staging = _staged(name, k_scale)
     shape = dict(num_layers=2, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, k_dtype=name,
-                 v_dtype=name, k_scale=k_scale, v_scale=v_scale)
+                 v_dtype=name, k_scale=k_scale)
     assert cache.nbytes == NUM_BLOCKS * PagedKVCache.block_bytes(**shape, block_size=BLOCK)
     assert staging.nbytes == Staging.bytes(2, KV_HEADS, HEAD_DIM, BLOCK, SLOTS, torch.float32)
     assert PagedKVCache.num_blocks_for_budget(

@@ -49,7 +49,7 @@ def chunk_gib(config, num_chunks: float) -> float:
     args, kv = read_model_args(None), config.kv_cache
     per_block = PagedKVCache.block_bytes(
         args.num_layers, args.num_kv_heads, args.head_dim, kv.key_dtype, kv.value_dtype,
-        kv.k_scale, kv.v_scale, kv.block_size, kv.layer_dtypes)
+        kv.k_scale, kv.block_size, kv.layer_dtypes)
     return num_chunks * CHUNK_BLOCKS * per_block / GiB
 
 

@@ -88,7 +88,7 @@ def test_plan_matches_the_engine_for_smollm2() -> None:
     engine = LLMEngine(config)
     split = engine.memory_split()
     p = plan("smollm2-135m", split["weights"] + split["activations"] + int(0.125 * GiB),
-             weight_dtype=config.model.dtype, kv_dtypes=(engine.runner.k_dtype,),
+             weight_dtype=str(engine.runner.dtype).removeprefix("torch."), kv_dtypes=(engine.runner.k_dtype,),
              sessions=config.kv_cache.max_concurrency_soft,
              batch_tokens=config.scheduler.max_num_batched_tokens)
     assert p.weights == split["weights"]

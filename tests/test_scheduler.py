@@ -16,9 +16,9 @@ class Sim:
     def __init__(self, num_blocks=64, budget=32, soft=48, watermark=1.0, policy="fcfs",
                  evict="lru_block", **sched):
         self.pool = BlockPool(num_blocks, evict_policy=evict)
-        self.manager = KVCacheManager(self.pool, BS)
         kv = KVCacheConfig(block_size=BS, max_concurrency_soft=soft, watermark=watermark,
                            num_blocks=num_blocks)
+        self.manager = KVCacheManager(self.pool, BS, session_ttl_s=kv.session_ttl_s)
         self.sched = Scheduler(kv, SchedulerConfig(policy=policy, max_num_batched_tokens=budget,
                                                    **sched), self.manager)
         self.steps = 0
@@ -132,3 +132,27 @@ def test_weighted_policy_puts_heavy_requests_in_the_slow_lane():
     sim = Sim(policy="weighted", long_request_blocks=4)
     assert sim.add("short", 8, max_tokens=4).lane == "fast"
     assert sim.add("long", 20, max_tokens=4).lane == "slow"
+
+
+def test_contiguous_manager_reserves_max_model_len_and_counts_false_ooms():
+    """The baseline composes the paged manager: a reservation of max_model_len per request,
+    staging slots and freeing from the paged one, a false OOM when only reservations block."""
+    from slimkv.kv.contiguous import ContiguousKVManager
+
+    pool = BlockPool(8, enable_caching=False)
+    manager = ContiguousKVManager(pool, BS, max_model_len=3 * BS, session_ttl_s=60.0,
+                                  num_staging_slots=3)
+    assert manager.max_blocks(1) == manager.max_blocks(3 * BS) == 3
+    seqs = [Sequence(f"r{i}", [1, 2], SamplingParams(max_tokens=2)) for i in range(3)]
+    for seq in seqs[:2]:
+        assert manager.can_allocate(seq, 2)
+        manager.allocate(seq, 2)
+    assert [b.block_id for b in seqs[0].blocks] == [0, 1, 2]
+    assert [b.block_id for b in seqs[1].blocks] == [3, 4, 5]
+    assert (seqs[0].staging_slot, seqs[1].staging_slot) == (0, 1)
+    # Two blocks free, the third needs one block of tokens but reserves three.
+    assert not manager.can_allocate(seqs[2], 2)
+    assert manager.num_false_oom == 1
+    manager.free(seqs[0])
+    assert seqs[0].staging_slot is None and pool.num_free_blocks == 5
+    assert manager.can_allocate(seqs[2], 2)

@@ -8,6 +8,7 @@ from typing import Hashable
 
 from slimkv.kv.block_pool import Block, BlockHash, BlockPool, hash_block
 from slimkv.sequence import Sequence
+from slimkv.stats import cdiv
 
 
 @dataclass(slots=True)
@@ -26,7 +27,7 @@ class KVCacheManager:
     protected until every other free block is used.
     """
 
-    def __init__(self, pool: BlockPool, block_size: int, session_ttl_s: float = 600.0,
+    def __init__(self, pool: BlockPool, block_size: int, *, session_ttl_s: float,
                  num_staging_slots: int = 0) -> None:
         self.pool = pool
         self._num_staging_slots = num_staging_slots
@@ -57,15 +58,15 @@ class KVCacheManager:
         self.num_prefix_hits += len(hits) * self.block_size
         return hits
 
-    def blocks_for(self, num_tokens: int) -> int:
+    def max_blocks(self, num_tokens: int) -> int:
         """Blocks a request of ``num_tokens`` tokens holds at most."""
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int,
                           computed: list[Block] = ()) -> int:
         total = seq.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         held = len(seq.blocks) + len(computed)
-        return max(0, -(-total // self.block_size) - held)
+        return max(0, cdiv(total, self.block_size) - held)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, computed: list[Block] = ()) -> bool:
         free_hits = sum(1 for b in computed if b.ref_cnt == 0)
@@ -75,7 +76,7 @@ class KVCacheManager:
     def allocate(self, seq: Sequence, num_new_tokens: int, computed: list[Block] = ()) -> None:
         """Give ``seq`` room for ``num_new_tokens`` more tokens (check ``can_allocate`` first)
         and, on its first allocation, a staging slot."""
-        self._assign_staging_slot(seq)
+        self.assign_staging_slot(seq)
         if computed:
             self.pool.touch(computed)
             seq.blocks.extend(computed)
@@ -90,7 +91,7 @@ class KVCacheManager:
         for block, block_hash in zip(seq.blocks[:num_full], self._block_hashes(seq, num_full)):
             self.pool.cache_block(block, block_hash)
 
-    def _assign_staging_slot(self, seq: Sequence) -> None:
+    def assign_staging_slot(self, seq: Sequence) -> None:
         """A staging slot (:mod:`slimkv.kv.staging`) from the first allocation until
         :meth:`free`, when the manager has slots (the cache is staged). A recompute after
         preemption starts at a block boundary, so a new slot's stale contents are never read."""

@@ -49,13 +49,12 @@ class Staging:
                                   device=cache.device)
 
     @staticmethod
-    def needed(k_dtype: str, v_dtype: str, head_dim: int, k_scale: str, v_scale: str | None,
+    def needed(k_dtype: str, v_dtype: str, head_dim: int, k_scale: str,
                layer_dtypes: LayerDtypes | None = None) -> bool:
-        """Whether a codec has per-block scales, so partial blocks must be staged (the
+        """Whether a key codec has per-block scales, so partial blocks must be staged (the
         default dtypes count even when ``layer_dtypes`` overrides every layer)."""
         return any(side_codec(k, head_dim, k_scale).block_aux_widths
-                   or side_codec(v, head_dim, v_scale).block_aux_widths
-                   for k, v in dtype_pairs(k_dtype, v_dtype, layer_dtypes))
+                   for k, _ in dtype_pairs(k_dtype, v_dtype, layer_dtypes))
 
     @staticmethod
     def bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,

@@ -1,63 +1,35 @@
 """The FastAPI app: OpenAI-shaped routes over an :class:`AsyncEngine`.
 
-Bodies are read and parsed here rather than by FastAPI, so that an oversized body, bytes
-that are not UTF-8 and malformed JSON each get their own OpenAI-style error (413/400)
-before the schema is checked (422).
+Bodies are read and parsed by :mod:`slimkv.server.body` rather than by FastAPI, so that an
+oversized body, bytes that are not UTF-8, malformed or hostile JSON each get their own
+OpenAI-style error (413/400) before the schema is checked (422); :mod:`slimkv.server.schema`
+still describes the request and response models in ``/openapi.json``.
 """
 
 from __future__ import annotations
 
-import json
 import secrets
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, TypeVar
+from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
-from pydantic import BaseModel, ValidationError
 
 from slimkv.config import Config, ServerConfig
 from slimkv.engine import LLMEngine
 from slimkv.server.async_engine import AsyncEngine, GenerateRequest
 from slimkv.server.backend import REPLICA_HEADER, Backend
 from slimkv.server.canary import Canary
+from slimkv.server.body import read_body
 from slimkv.server.dashboard import install_dashboard
-from slimkv.server.errors import APIError, install_error_handlers, validation_error
+from slimkv.server.errors import APIError, install_error_handlers
 from slimkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from slimkv.server.protocol import (ChatCompletionRequest, CompletionRequest, SamplingRequest,
                                     model_card)
 from slimkv.server.responses import ChatFormat, CompletionFormat, ResponseFormat, respond
+from slimkv.server.schema import Completion, ChatCompletion, generation_route, install_schema
 
 DEFAULT_MAX_TOKENS = 512  # when a request sets none: this, or the room left in the context
-Body = TypeVar("Body", bound=BaseModel)
-
-
-async def read_body(request: Request, model: type[Body], max_bytes: int) -> Body:
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > max_bytes:
-        raise _too_large(max_bytes)
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > max_bytes:
-            raise _too_large(max_bytes)
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise APIError(400, f"the request body is not valid UTF-8: {exc}", "invalid_encoding")
-    except json.JSONDecodeError as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}", "invalid_json")
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object", "invalid_json")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(exc)
-
-
-def _too_large(max_bytes: int) -> APIError:
-    return APIError(413, f"the request body is over {max_bytes} bytes (server.max_body_bytes)",
-                    "request_too_large")
 
 
 def bearer_auth(api_key: str | None):
@@ -103,13 +75,13 @@ def create_app(engine: Backend, server: ServerConfig) -> FastAPI:
             response.headers[REPLICA_HEADER] = request.replica
         return response
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", **generation_route(ChatCompletionRequest, ChatCompletion))
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request, ChatCompletionRequest, server.max_body_bytes)
         messages = [m.as_template_message() for m in body.messages]
         return await generate(body, messages, ChatFormat(_new_id("chatcmpl"), model_name), request)
 
-    @v1.post("/completions")
+    @v1.post("/completions", **generation_route(CompletionRequest, Completion))
     async def completions(request: Request) -> Response:
         body = await read_body(request, CompletionRequest, server.max_body_bytes)
         return await generate(body, body.prompt, CompletionFormat(_new_id("cmpl"), model_name),
@@ -129,6 +101,7 @@ def create_app(engine: Backend, server: ServerConfig) -> FastAPI:
 
     install_dashboard(app, v1, engine, server.api_key)
     app.include_router(v1)
+    install_schema(app, [ChatCompletionRequest, CompletionRequest])
     return app
 
 

@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +75,37 @@ def install_error_handlers(app: FastAPI) -> None:
     async def request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         return validation_error(exc).response()
 
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error: %s", exc)
-        return APIError(500, "internal server error", "internal_error").response()
-
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, request_validation)
-    app.add_exception_handler(Exception, unexpected)
+    app.add_middleware(CatchAll)
+
+
+class CatchAll:
+    """Answers a bug with a 500 in the error shape *and swallows the exception*.
+
+    Starlette's own last-resort handler re-raises after answering, and uvicorn then closes
+    the connection: one bad request would cost the client its keep-alive connection. Here
+    the exception ends at this middleware (logged); if the response had already started
+    there is nothing left to send, and the connection still stays open."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watch(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as exc:
+            log.exception("unhandled error: %s", exc)
+            if not started:
+                await APIError(500, "internal server error", "internal_error").response()(
+                    scope, receive, send)

@@ -27,7 +27,7 @@ class SamplingRequest(BaseModel):
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # what torch takes
     stop: str | list[str] | None = Field(default=None, validate_default=True)
     n: Literal[1] = 1
     stream: bool = False
