@@ -25,8 +25,9 @@ LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 
 @dataclass(frozen=True, slots=True)
 class TierStats:
-    """One offload tier (``host`` or ``disk``): counters in blocks since start (a chunk is 16
-    blocks), its size now, and its chunk loads per ``LOAD_BUCKETS`` bucket (the last entry
+    """One offload tier (``host`` or ``disk``): counters in blocks since start (stored and
+    dropped count 16 per chunk, a partial one too; loaded counts the blocks loaded), its
+    size now, and its chunk loads per ``LOAD_BUCKETS`` bucket (the last entry
     counts loads slower than every bound)."""
 
     stored_blocks: int = 0

@@ -83,21 +83,31 @@ KV_FORMATS = {
 }
 
 
-@pytest.mark.parametrize("kv", KV_FORMATS.values(), ids=KV_FORMATS.keys())
-def test_reloaded_session_gives_the_never_evicted_logits(tmp_path, kv) -> None:
+_references: dict[str, torch.Tensor] = {}
+
+
+def reference_logits(name: str) -> torch.Tensor:
+    """TURN2's logits after DOC, on an engine without the tier that never evicts."""
+    if name not in _references:
+        engine = LLMEngine(small_config(kv_cache={"num_blocks": 48, **KV_FORMATS[name]}))
+        tail_logits(engine, DOC)
+        cached, _references[name] = tail_logits(engine, TURN2)
+        assert cached == len(DOC)
+    return _references[name]
+
+
+@pytest.mark.parametrize("name", KV_FORMATS)
+def test_reloaded_session_gives_the_never_evicted_logits(tmp_path, name) -> None:
     # one chunk fits in host memory: the other spills to disk, so both tiers are read
-    engine = LLMEngine(offload_config(tmp_path, kv, host_chunks=1.5))
+    engine = LLMEngine(offload_config(tmp_path, KV_FORMATS[name], host_chunks=1.5))
     tail_logits(engine, DOC)
-    cached, reference = tail_logits(engine, TURN2)      # prefix still in the pool
-    assert cached == len(DOC)
     evict_everything(engine)
     stats = engine.stats().offload
     assert stats["host"].stored_blocks == 2 * CHUNK_BLOCKS      # both went through host
     assert stats["disk"].stored_blocks == CHUNK_BLOCKS          # the first spilled
-    hits_before = engine.manager.num_prefix_hits
-    cached, logits = tail_logits(engine, TURN2)         # prefix from host and disk
-    assert cached == len(DOC) and engine.manager.num_prefix_hits - hits_before == len(DOC)
-    assert torch.equal(logits, reference)
+    cached, logits = tail_logits(engine, TURN2)                 # prefix from host and disk
+    assert cached == len(DOC) and engine.manager.num_prefix_hits == len(DOC)
+    assert torch.equal(logits, reference_logits(name))
     stats = engine.stats().offload
     assert stats["host"].loaded_blocks == stats["disk"].loaded_blocks == CHUNK_BLOCKS
     assert sum(stats["disk"].load_counts) == 1 and stats["disk"].load_seconds > 0
@@ -108,14 +118,13 @@ def test_a_restarted_engine_reuses_the_directory(tmp_path) -> None:
     config = offload_config(tmp_path, {}, host_chunks=4, write="idle", idle_s=0)
     first = LLMEngine(config)
     tail_logits(first, DOC)
-    _, reference = tail_logits(first, TURN2)
     first.close()                                       # host chunks go to disk
     files = list(tmp_path.glob("*.kv"))
     assert len(files) == 2 and all(f.stat().st_size > HEADER.size for f in files)
     second = LLMEngine(config)
     assert second.stats().offload["disk"].num_bytes == sum(f.stat().st_size for f in files)
     cached, logits = tail_logits(second, TURN2)
-    assert cached == len(DOC) and torch.equal(logits, reference)
+    assert cached == len(DOC) and torch.equal(logits, reference_logits("int8"))
     assert second.stats().offload["disk"].loaded_blocks == 2 * CHUNK_BLOCKS
     second.close()
 
@@ -149,7 +158,7 @@ def test_turns_through_the_engine_loop_hit_the_tier(tmp_path) -> None:
     reference, ref_cached = generate(ref_engine, follow, "s")
     evict_everything(engine)
     out2, cached = generate(engine, follow, "s")
-    assert cached == ref_cached >= len(DOC) - len(DOC) % (CHUNK_BLOCKS * 16)
+    assert cached == ref_cached >= len(DOC)
     assert out2 == reference
-    assert engine.stats().offload["disk"].loaded_blocks == 2 * CHUNK_BLOCKS
+    assert engine.stats().offload["disk"].loaded_blocks == cached // 16
     engine.close()

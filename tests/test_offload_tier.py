@@ -62,17 +62,25 @@ def test_write_back_on_eviction_and_load_are_bit_identical() -> None:
     blocks = s.cache_chain(hashes)
     before = [snapshot(s.layout, blocks[i:i + CHUNK_BLOCKS]) for i in (0, CHUNK_BLOCKS)]
     assert s.tier.stats()["host"].stored_blocks == 0        # nothing written before eviction
+    before.append(snapshot(s.layout, blocks[2 * CHUNK_BLOCKS:]))     # a partial chunk
     s.evict_all()
-    assert s.tier.stats()["host"].stored_blocks == 2 * CHUNK_BLOCKS
-    for i, h in enumerate((hashes[CHUNK_BLOCKS - 1], hashes[2 * CHUNK_BLOCKS - 1])):
+    assert s.tier.stats()["host"].stored_blocks == 3 * CHUNK_BLOCKS
+    for i, h in enumerate((hashes[CHUNK_BLOCKS - 1], hashes[2 * CHUNK_BLOCKS - 1], hashes[-1])):
         payload, tier = s.tier.fetch(s.layout.key(h))
         assert tier == "host" and torch.equal(payload, before[i])
     loaded = s.tier.extend(hashes, [])
-    assert len(loaded) == 2 * CHUNK_BLOCKS                   # the partial third chunk is not
-    assert [s.pool.cached[h] for h in hashes[:2 * CHUNK_BLOCKS]] == loaded
+    assert len(loaded) == len(hashes)
+    assert [s.pool.cached[h] for h in hashes] == loaded
     assert all(b.ref_cnt == 0 for b in loaded)
     assert torch.equal(snapshot(s.layout, loaded[:CHUNK_BLOCKS]), before[0])
-    assert s.tier.stats()["host"].loaded_blocks == 2 * CHUNK_BLOCKS
+    assert torch.equal(snapshot(s.layout, loaded[2 * CHUNK_BLOCKS:]), before[2])
+    assert s.tier.stats()["host"].loaded_blocks == len(hashes)
+    # a longer chain finds the partial chunk, a diverging one stops before it
+    s.evict_all()
+    assert len(s.tier.extend(hashes + chain(2, seed=9), [])) == len(hashes)
+    s.evict_all()
+    assert len(s.tier.extend(hashes[:2 * CHUNK_BLOCKS] + chain(3, seed=9), [])) == \
+        2 * CHUNK_BLOCKS
 
 
 def test_load_continues_after_partial_pool_hits() -> None:
@@ -81,7 +89,7 @@ def test_load_continues_after_partial_pool_hits() -> None:
     ids = [b.block_id for b in s.cache_chain(hashes)]
     before = {name: t[:, ids].clone() for name, t in s.layout.tensors}
     s.evict_all()
-    assert s.tier.extend(hashes[:5], []) == []                 # no full chunk in 5 hashes
+    assert s.tier.extend(hashes[:5], []) == []          # the chunk ends after block 5
     head = s.pool.get_new_blocks(5)                            # the pool still holds 5 blocks
     for block, h in zip(head, hashes[:5]):
         s.pool.cache_block(block, h)

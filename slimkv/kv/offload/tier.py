@@ -2,7 +2,8 @@
 instead of recomputed.
 
 **Writes.** When a sequence frees its blocks, the KV manager hands its block hashes here;
-each full chunk (``CHUNK_BLOCKS`` blocks) not stored yet becomes *pending*. A pending chunk
+each chunk (``CHUNK_BLOCKS`` blocks, the last one possibly partial) not stored yet becomes
+*pending*. A pending chunk
 is copied out of the pool (a gather, on the engine thread, while its blocks still hold it)
 when the pool evicts any of its blocks (``write: evict``), or once it has been idle for
 ``idle_s`` (``write: idle``), or when the engine closes. The copy goes to a background
@@ -10,8 +11,8 @@ writer through a bounded queue (full: the chunk is dropped and counted), which s
 the host tier; chunks the host tier pushes out spill to disk.
 
 **Reads.** After the pool's prefix match, admission (:meth:`extend`) walks on along the
-chain one chunk at a time: a chunk still queued, then host, then disk. A found chunk's
-blocks go into new pool blocks, indexed by their hashes like any prefix-cached block, so
+chain one chunk at a time (the full chunk, else the longest partial one): a chunk still
+queued, then host, then disk. A found chunk's blocks go into new pool blocks, indexed by their hashes like any prefix-cached block, so
 the sequence counts them as cache hits. The first miss ends the walk (recompute).
 """
 
@@ -88,8 +89,11 @@ class OffloadTier:
         """A sequence freed blocks with these chained hashes: its full chunks not stored yet
         become pending (newest last)."""
         now = time.monotonic() if now is None else now
-        for end in range(CHUNK_BLOCKS, len(hashes) + 1, CHUNK_BLOCKS):
-            chunk = tuple(hashes[end - CHUNK_BLOCKS:end])
+        ends = list(range(CHUNK_BLOCKS, len(hashes) + 1, CHUNK_BLOCKS))
+        if len(hashes) % CHUNK_BLOCKS:
+            ends.append(len(hashes))        # the partial tail chunk
+        for end in ends:
+            chunk = tuple(hashes[(end - 1) // CHUNK_BLOCKS * CHUNK_BLOCKS:end])
             key = self.layout.key(chunk[-1])
             if key in self._pending:
                 self._pending[key] = (chunk, now)
@@ -173,48 +177,55 @@ class OffloadTier:
     # -- reads -----------------------------------------------------------------------------
 
     def fetch(self, key: bytes) -> tuple[Tensor, str] | None:
-        """A chunk's payload and the tier it came from (queued chunks count as host)."""
+        """A chunk's payload and the tier it came from (a queued chunk counts as its first
+        tier's)."""
         with self._lock:
             payload = self._inflight.get(key)
         if payload is not None:
-            return payload, "host"
+            return payload, self.first_tier
         if self.host is not None and (payload := self.host.get(key)) is not None:
             return payload, "host"
         if self.disk is not None and (payload := self.disk.get(key)) is not None:
             return payload, "disk"
         return None
 
+    def _find(self, hashes: Sequence[BlockHash], pos: int) -> tuple[Tensor, str, int] | None:
+        """The longest stored chunk covering block ``pos`` of the chain (full first, then
+        partial ones): its payload, tier and end (the index after its last block)."""
+        begin = pos // CHUNK_BLOCKS * CHUNK_BLOCKS
+        for end in range(min(len(hashes), begin + CHUNK_BLOCKS), pos, -1):
+            found = self.fetch(self.layout.key(hashes[end - 1]))
+            if found is not None:
+                return found[0], found[1], end
+        return None
+
     def extend(self, hashes: Sequence[BlockHash], hits: list[Block]) -> list[Block]:
         """Blocks loaded into the pool for the chain ``hashes`` past its pool ``hits``, one
         chunk at a time, as prefix-cached blocks (reference count 0, like free hits)."""
-        pool, n = self.pool, CHUNK_BLOCKS
-        start = len(hits)
-        chunk = start // n
-        if (chunk + 1) * n > len(hashes):
-            return []
-        start_time = time.perf_counter()
-        found = self.fetch(self.layout.key(hashes[(chunk + 1) * n - 1]))
-        if found is None:
-            return []
-        loaded: list[Block] = []
-        pool.touch(hits)   # hold the hits while new blocks are handed out
+        pool, loaded, held = self.pool, [], False
         try:
-            while found is not None:
-                first = start + len(loaded) - chunk * n
-                if pool.num_free_blocks < n - first:
+            while True:
+                start_time, pos = time.perf_counter(), len(hits) + len(loaded)
+                found = self._find(hashes, pos)
+                if found is None:
                     break
-                blocks = pool.get_new_blocks(n - first)
-                self.layout.scatter(found[0], [b.block_id for b in blocks], first)
-                for block, block_hash in zip(blocks, hashes[chunk * n + first:(chunk + 1) * n]):
+                payload, tier, end = found
+                if not held:
+                    pool.touch(hits)   # hold the hits while new blocks are handed out
+                    held = True
+                if pool.num_free_blocks < end - pos:
+                    break
+                blocks = pool.get_new_blocks(end - pos)
+                self.layout.scatter(payload, [b.block_id for b in blocks], pos % CHUNK_BLOCKS)
+                for block, block_hash in zip(blocks, hashes[pos:end]):
                     pool.cache_block(block, block_hash)
                 loaded += blocks
-                self.counts[found[1]].record_load(time.perf_counter() - start_time, len(blocks))
-                chunk += 1
-                start_time = time.perf_counter()
-                found = (self.fetch(self.layout.key(hashes[(chunk + 1) * n - 1]))
-                         if (chunk + 1) * n <= len(hashes) else None)
+                self.counts[tier].record_load(time.perf_counter() - start_time, len(blocks))
+                if end % CHUNK_BLOCKS:
+                    break      # a partial chunk ends what was stored of the chain
         finally:
-            pool.free_blocks(reversed(hits + loaded))
+            if held:
+                pool.free_blocks(reversed(hits + loaded))
         return loaded
 
     # -- lifecycle and stats ---------------------------------------------------------------
