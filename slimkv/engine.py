@@ -8,7 +8,6 @@ sampled tokens, detokenizes and finishes what is done.
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from collections import Counter
 from typing import Hashable
@@ -20,8 +19,7 @@ from slimkv.engine_stats import BlockInfo, EngineStats, LaneCounts
 from slimkv.kv.block_pool import BlockPool
 from slimkv.kv.contiguous import ContiguousKVManager
 from slimkv.kv.manager import KVCacheManager
-from slimkv.kv.offload.chunk import ChunkLayout, model_digest
-from slimkv.kv.offload.tier import OffloadTier
+from slimkv.kv.offload import attach_offload
 from slimkv.outputs import Detokenizer, RequestOutput
 from slimkv.runner import ModelRunner
 from slimkv.sampling import SamplingParams
@@ -47,7 +45,7 @@ class LLMEngine:
                     num_staging_slots=self.runner.num_staging_slots)
         self.manager = (KVCacheManager(self.pool, kv.block_size, **opts) if kv.paged else
                         ContiguousKVManager(self.pool, kv.block_size, self.max_model_len, **opts))
-        self.tier = self._offload_tier() if kv.offload is not None else None
+        self.tier = attach_offload(self) if kv.offload is not None else None
         self.scheduler = Scheduler(kv, config.scheduler, self.manager)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
@@ -61,23 +59,6 @@ class LLMEngine:
                            memory=runner.memory_split(), watermark=kv.watermark,
                            evict_policy=kv.evict_policy,
                            max_concurrency_soft=kv.max_concurrency_soft)
-
-    def _offload_tier(self) -> OffloadTier:
-        """The host/disk tier below the pool (``kv_cache.offload``), wired to the pool's
-        evictions and the manager's prefix matching."""
-        runner = self.runner
-        layout = ChunkLayout(runner.cache, model_digest(os.path.realpath(runner.model_path)),
-                             str(runner.dtype).removeprefix("torch."))
-        tier = OffloadTier(layout, self.config.kv_cache.offload,
-                           pin=runner.device.type == "cuda")
-        tier.attach(self.pool)
-        self.manager.tier = tier
-        return tier
-
-    def close(self) -> None:
-        """Store what the offload tier has pending and stop its writer (idempotent)."""
-        if self.tier is not None:
-            self.tier.close()
 
     # -- requests ----------------------------------------------------------------------
 
@@ -144,8 +125,7 @@ class LLMEngine:
             preemptions=sched.num_preemptions, evictions=pool.num_evictions,
             false_ooms=getattr(manager, "num_false_oom", 0),
             attention_paths=dict(self.runner.attention.path_counts),
-            finished=dict(self.finished_reasons),
-            offload=self.tier.stats() if self.tier is not None else {})
+            finished=dict(self.finished_reasons), offload=self.tier.stats() if self.tier else {})
 
     def block_map(self) -> list[BlockInfo]:
         """Every block of the pool, in id order, with its state and holders."""
@@ -168,8 +148,6 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self.num_steps += 1
         self.manager.expire_sessions()
-        if self.tier is not None:
-            self.tier.tick()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []

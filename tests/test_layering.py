@@ -30,7 +30,8 @@ CORE_LAYERS = [
 ]
 # Modules that plan, bench, serve or verify: above the core.
 TOOLS = ("slimkv.server", "slimkv.cluster", "slimkv.bench", "slimkv.eval", "slimkv.loadtest",
-         "slimkv.cli", "slimkv.profile_cli", "slimkv.verify", "slimkv.planner")
+         "slimkv.cli", "slimkv.profile_cli", "slimkv.verify", "slimkv.planner",
+         "slimkv.simulate")
 # The block bookkeeping a simulator drives without a model: it must not need torch.
 TORCH_FREE = ("slimkv.scheduler", "slimkv.kv.manager", "slimkv.kv.block_pool",
               "slimkv.kv.contiguous", "slimkv.sequence", "slimkv.config")
@@ -128,3 +129,10 @@ def test_the_server_reads_engine_stats_not_engine_internals() -> None:
              if isinstance(node, ast.Attribute) and node.attr in internals
              and not (isinstance(node.value, ast.Attribute) and node.value.attr == "config")]
     assert not reads, reads
+
+
+def test_nothing_imports_the_simulator_but_its_cli():
+    users = sorted(name for name, deps in GRAPH.items()
+                   if any(d.startswith("slimkv.simulate") for d in deps)
+                   and not name.startswith("slimkv.simulate") and name != "slimkv.bench.simulate_cli")
+    assert not users, users

@@ -48,7 +48,7 @@ def tail_logits(engine: LLMEngine, ids: list[int]) -> tuple[int, torch.Tensor]:
 def chunk_gib(config, num_chunks: float) -> float:
     args, kv = read_model_args(None), config.kv_cache
     per_block = PagedKVCache.block_bytes(
-        args.num_layers, args.num_kv_heads, args.head_dim, kv.key_dtype, kv.value_dtype,
+        args.num_layers, args.num_kv_heads, args.head_dim, kv.k_dtype or kv.dtype, kv.v_dtype or kv.dtype,
         kv.k_scale, kv.block_size, kv.layer_dtypes)
     return num_chunks * CHUNK_BLOCKS * per_block / GiB
 
@@ -111,14 +111,14 @@ def test_reloaded_session_gives_the_never_evicted_logits(tmp_path, name) -> None
     stats = engine.stats().offload
     assert stats["host"].loaded_blocks == stats["disk"].loaded_blocks == CHUNK_BLOCKS
     assert sum(stats["disk"].load_counts) == 1 and stats["disk"].load_seconds > 0
-    engine.close()
+    engine.tier.close()
 
 
 def test_a_restarted_engine_reuses_the_directory(tmp_path) -> None:
     config = offload_config(tmp_path, {}, host_chunks=4, write="idle", idle_s=0)
     first = LLMEngine(config)
     tail_logits(first, DOC)
-    first.close()                                       # host chunks go to disk
+    first.tier.close()                                       # host chunks go to disk
     files = list(tmp_path.glob("*.kv"))
     assert len(files) == 2 and all(f.stat().st_size > HEADER.size for f in files)
     second = LLMEngine(config)
@@ -126,10 +126,10 @@ def test_a_restarted_engine_reuses_the_directory(tmp_path) -> None:
     cached, logits = tail_logits(second, TURN2)
     assert cached == len(DOC) and torch.equal(logits, reference_logits("int8"))
     assert second.stats().offload["disk"].loaded_blocks == 2 * CHUNK_BLOCKS
-    second.close()
+    second.tier.close()
 
 
-def test_idle_writes_happen_at_a_step(tmp_path) -> None:
+def test_idle_chunks_are_written_when_a_later_request_finishes(tmp_path) -> None:
     engine = LLMEngine(offload_config(tmp_path, {}, host_chunks=4, write="idle", idle_s=0))
     tail_logits(engine, DOC)
     assert engine.stats().offload["host"].stored_blocks == 0
@@ -137,7 +137,7 @@ def test_idle_writes_happen_at_a_step(tmp_path) -> None:
     engine.step()
     engine.tier.flush()
     assert engine.stats().offload["host"].stored_blocks == 2 * CHUNK_BLOCKS
-    engine.close()
+    engine.tier.close()
 
 
 def generate(engine: LLMEngine, ids: list[int], session: str) -> tuple[list[int], int]:
@@ -161,4 +161,4 @@ def test_turns_through_the_engine_loop_hit_the_tier(tmp_path) -> None:
     assert cached == ref_cached >= len(DOC)
     assert out2 == reference
     assert engine.stats().offload["disk"].loaded_blocks == cached // 16
-    engine.close()
+    engine.tier.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from slimkv.engine_stats import LOAD_BUCKETS, TierStats
+from slimkv.kv.offload.stats import LOAD_BUCKETS, TierStats
 from slimkv.server.cache_state import CacheHistory
 from slimkv.server.metrics import ServerMetrics
 from tests.conftest import engine_stats

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from slimkv.config import OffloadConfig
+from slimkv.kv.offload.config import OffloadConfig
 from slimkv.kv.block_pool import BlockPool, hash_block
 from slimkv.kv.offload.chunk import CHUNK_BLOCKS, ChunkLayout
 from slimkv.kv.offload.tier import OffloadTier
@@ -204,3 +204,18 @@ def test_concurrent_writes_and_reads(tmp_path) -> None:
         found = s.tier.fetch(key)
         assert found is None or torch.equal(found[0], want)
     s.tier.close()
+
+
+def test_the_offload_section_is_validated_with_its_key_path() -> None:
+    from slimkv.config import ConfigError, KVCacheConfig
+
+    assert OffloadConfig.of(KVCacheConfig(offload={"host_gb": 1})).host_gb == 1
+    assert OffloadConfig.of(KVCacheConfig(offload={})) == OffloadConfig()
+    for offload, message in (({"hots_gb": 1}, "kv_cache.offload.hots_gb: unknown key"),
+                             ({"write": "never"}, "kv_cache.offload.write"),
+                             ({"host_gb": 0}, "set host_gb > 0 or a disk_path"),
+                             ({"idle_s": -1}, "kv_cache.offload.idle_s")):
+        with pytest.raises(ConfigError, match=message):
+            OffloadConfig.of(KVCacheConfig(offload=offload))
+    with pytest.raises(ConfigError, match="paged KV cache"):
+        OffloadConfig.of(KVCacheConfig(offload={}, paged=False))

@@ -102,7 +102,8 @@ def bench_doc(config: Config, work: Workload) -> dict[str, Any]:
             rows = run_sessions(engine, work, histories, range(1, work.turns + 1), rng)
             out["modes"][mode] = {**summarize(rows), "offload": _tier_stats(engine),
                                   "turns": rows}
-            engine.close()
+            if engine.tier is not None:
+                engine.tier.close()
             if mode == "disk":
                 out["restart"] = bench_restart(mode_config, work, histories, rng)
     return out
@@ -121,7 +122,8 @@ def bench_restart(config: Config, work: Workload, histories: list[list[int]],
         for bucket in (restart, warm):
             rows = run_sessions(engine, work, [history], range(1), rng)
             bucket.append({**rows[0], "session": s})
-    engine.close()
+    if engine.tier is not None:
+        engine.tier.close()
     return {"restart_p50_ttft_s": percentile([r["ttft"] for r in restart], 50),
             "warm_p50_ttft_s": percentile([r["ttft"] for r in warm], 50),
             "restart": restart, "warm": warm}

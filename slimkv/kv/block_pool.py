@@ -120,9 +120,7 @@ class BlockPool:
         self.evict_policy = evict_policy
         self.num_evictions = 0
         self._clock = 0
-        # Called with a cached block about to lose its content (the offload tier's
-        # write-back); the block still holds its hash and data.
-        self.on_evict: Callable[[Block], None] | None = None
+        self.on_evict: Callable[[Block], None] = lambda block: None  # the offload write-back
 
     @property
     def num_blocks(self) -> int:
@@ -207,8 +205,7 @@ class BlockPool:
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
-            if self.on_evict is not None:
-                self.on_evict(block)
+            self.on_evict(block)  # still holding its hash and data
             del self.cached[block.block_hash]
             block.block_hash = None
             self.num_evictions += 1

@@ -106,7 +106,6 @@ class AsyncEngine:
             self._stopping = True
             self._cond.notify()
         self._thread.join()
-        self.engine.close()
         if self.canary:
             self.canary.stop()
 

@@ -12,7 +12,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily)
 from prometheus_client.registry import Collector
 
-from slimkv.engine_stats import LOAD_BUCKETS, TierStats
+from slimkv.kv.offload.stats import LOAD_BUCKETS, TierStats
 
 COUNTERS = {
     "stored": "Blocks written to the tier (16 per chunk).",

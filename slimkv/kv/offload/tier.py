@@ -6,7 +6,8 @@ each chunk (``CHUNK_BLOCKS`` blocks, the last one possibly partial) not stored y
 *pending*. A pending chunk
 is copied out of the pool (a gather, on the engine thread, while its blocks still hold it)
 when the pool evicts any of its blocks (``write: evict``), or once it has been idle for
-``idle_s`` (``write: idle``), or when the engine closes. The copy goes to a background
+``idle_s`` (``write: idle``; checked whenever a sequence is freed), or on :meth:`close`
+(also at process exit). The copy goes to a background
 writer through a bounded queue (full: the chunk is dropped and counted), which stores it in
 the host tier; chunks the host tier pushes out spill to disk.
 
@@ -27,12 +28,12 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from slimkv.config import OffloadConfig
-from slimkv.engine_stats import LOAD_BUCKETS, TierStats
 from slimkv.kv.block_pool import Block, BlockHash, BlockPool
 from slimkv.kv.offload.chunk import CHUNK_BLOCKS, ChunkLayout
+from slimkv.kv.offload.config import OffloadConfig
 from slimkv.kv.offload.disk import DiskTier
 from slimkv.kv.offload.host import HostTier
+from slimkv.kv.offload.stats import LOAD_BUCKETS, TierStats
 
 log = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -86,9 +87,10 @@ class OffloadTier:
     # -- writes (engine thread) ------------------------------------------------------------
 
     def on_free(self, hashes: Sequence[BlockHash], now: float | None = None) -> None:
-        """A sequence freed blocks with these chained hashes: its full chunks not stored yet
-        become pending (newest last)."""
+        """A sequence freed blocks with these chained hashes: its chunks not stored yet
+        become pending (newest last). Also when idle chunks are written (``write: idle``)."""
         now = time.monotonic() if now is None else now
+        self.tick(now)
         ends = list(range(CHUNK_BLOCKS, len(hashes) + 1, CHUNK_BLOCKS))
         if len(hashes) % CHUNK_BLOCKS:
             ends.append(len(hashes))        # the partial tail chunk
