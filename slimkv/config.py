@@ -111,6 +111,7 @@ class KVCacheConfig:
     watermark_hysteresis: float = 0.05
     strict: bool = True
     layer_dtypes: dict[str, list[int]] | None = None
+    offload: dict[str, Any] | None = None  # the tier below the pool: kv/offload/config.py
     session_ttl_s: float = 600.0
 
     def __post_init__(self) -> None:

@@ -21,6 +21,7 @@ from slimkv.kv.contiguous import ContiguousKVManager
 from slimkv.kv.manager import KVCacheManager
 from slimkv.choices import Choices
 from slimkv.logprobs import SampledToken, token_logprobs
+from slimkv.kv.offload import attach_offload
 from slimkv.outputs import Detokenizer, RequestOutput
 from slimkv.runner import ModelRunner
 from slimkv.sampling import SamplingParams
@@ -46,6 +47,7 @@ class LLMEngine:
                     num_staging_slots=self.runner.num_staging_slots)
         self.manager = (KVCacheManager(self.pool, kv.block_size, **opts) if kv.paged else
                         ContiguousKVManager(self.pool, kv.block_size, self.max_model_len, **opts))
+        self.tier = attach_offload(self) if kv.offload is not None else None
         self.scheduler = Scheduler(kv, config.scheduler, self.manager)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Sequence] = {}  # every live sequence, by its own id
@@ -136,7 +138,7 @@ class LLMEngine:
             preemptions=sched.num_preemptions, evictions=pool.num_evictions,
             false_ooms=getattr(manager, "num_false_oom", 0),
             attention_paths=dict(self.runner.attention.path_counts),
-            finished=dict(self.finished_reasons))
+            finished=dict(self.finished_reasons), offload=self.tier.stats() if self.tier else {})
 
     def block_map(self) -> list[BlockInfo]:
         """Every block of the pool, in id order, with its state and holders."""
