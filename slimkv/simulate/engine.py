@@ -83,12 +83,10 @@ class SimEngine:
         self.step_time = step_time
         self.now = start
         self.pool = BlockPool(num_blocks, kv.enable_prefix_caching and kv.paged, kv.evict_policy)
-        self.manager = (KVCacheManager(self.pool, kv.block_size,
-                                       num_staging_slots=num_staging_slots)
-                        if kv.paged else
-                        ContiguousKVManager(self.pool, kv.block_size, max_model_len,
-                                            num_staging_slots=num_staging_slots))
-        self.manager.clock = lambda: self.now
+        opts = dict(session_ttl_s=kv.session_ttl_s, num_staging_slots=num_staging_slots)
+        self.manager = (KVCacheManager(self.pool, kv.block_size, **opts) if kv.paged else
+                        ContiguousKVManager(self.pool, kv.block_size, max_model_len, **opts))
+        getattr(self.manager, "paged", self.manager).clock = lambda: self.now
         self.scheduler = Scheduler(kv, sched, self.manager)
         self.requests: dict[str, Sequence] = {}
         self.num_steps = 0
