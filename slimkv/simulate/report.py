@@ -130,8 +130,7 @@ def write_results(out_dir: Path) -> list[Path]:
         written.append(png)
         lines += ["## " + path.stem, "", f"`{case['command']}` (took {case['elapsed_s']} s)",
                   ""] + case_table(case) + [f"![{path.stem}]({png.name})", ""]
-    fleet = out_dir / "fleet.json"
-    if fleet.is_file():
+    for fleet in sorted(out_dir.glob("fleet-*.json")):
         data = json.loads(fleet.read_text())
         lines += [f"## Fleet: {data['model']} on {data['device']} replicas", "",
                   f"`{data['command']}`", ""] + fleet_table(data)
