@@ -64,8 +64,9 @@ class ModelRunner:
         args, kv = self.model_args, config.kv_cache
         self.max_model_len = min(config.model.max_model_len or args.max_position_embeddings,
                                  args.max_position_embeddings)
-        self.k_dtype = model_dtype if kv.key_dtype == "auto" else kv.key_dtype
-        self.v_dtype = model_dtype if kv.value_dtype == "auto" else kv.value_dtype
+        k_dtype, v_dtype = kv.k_dtype or kv.dtype, kv.v_dtype or kv.dtype
+        self.k_dtype = model_dtype if k_dtype == "auto" else k_dtype
+        self.v_dtype = model_dtype if v_dtype == "auto" else v_dtype
         shape = dict(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
                      head_dim=args.head_dim, k_dtype=self.k_dtype, v_dtype=self.v_dtype,
                      k_scale=kv.k_scale, layer_dtypes=kv.layer_dtypes)
@@ -86,8 +87,10 @@ class ModelRunner:
                 "(set kv_cache.strict: false to serve on the reference path anyway)")
         self.activation_bytes = activation_peak(
             args, self.dtype, self.device, k_dtype=self.k_dtype, v_dtype=self.v_dtype,
-            block_size=kv.block_size, num_tokens=config.scheduler.max_num_batched_tokens,
-            num_logit_rows=kv.max_concurrency_soft, max_len=self.max_model_len)
+            k_scale=kv.k_scale, block_size=kv.block_size,
+            num_tokens=config.scheduler.max_num_batched_tokens,
+            num_logit_rows=kv.max_concurrency_soft, max_len=self.max_model_len,
+            layer_dtypes=kv.layer_dtypes)
         self.sampler = Sampler()
 
     def _num_blocks(self, shape: dict) -> int:
@@ -97,8 +100,8 @@ class ModelRunner:
             return kv.num_blocks
         staging = Staging.bytes(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"],
                                 kv.block_size, self.num_staging_slots, self.dtype)
-        num_blocks = PagedKVCache.num_blocks_for_budget(
-            int(kv.memory_gb * GiB), kv.block_size, **shape, reserved_bytes=staging)
+        num_blocks = PagedKVCache.num_blocks_for_budget(int(kv.memory_gb * GiB), staging, **shape,
+                                                        block_size=kv.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache.memory_gb={kv.memory_gb} holds no {kv.block_size}-token block")
         return num_blocks

@@ -42,7 +42,8 @@ class KVCacheManager:
         self.num_prefix_hits = 0     # of those, tokens found
 
     def get_computed_blocks(self, seq: Sequence) -> list[Block]:
-        """Longest run of cached full blocks at the start of the sequence's tokens.
+        """Longest run of cached full blocks at the start of the sequence's tokens (a lookup:
+        :meth:`allocate` counts it once the sequence is admitted).
 
         At least one token is always left to compute, since its logits are needed."""
         hashes = self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
@@ -52,8 +53,6 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.num_prefix_queries += seq.num_tokens
-        self.num_prefix_hits += len(hits) * self.block_size
         return hits
 
     def max_blocks(self, num_tokens: int) -> int:
@@ -71,10 +70,15 @@ class KVCacheManager:
         need = self.num_blocks_needed(seq, num_new_tokens, computed)
         return need + free_hits <= self.pool.num_free_blocks
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, computed: list[Block] = ()) -> None:
+    def allocate(self, seq: Sequence, num_new_tokens: int,
+                 computed: list[Block] | None = None) -> None:
         """Give ``seq`` room for ``num_new_tokens`` more tokens (check ``can_allocate`` first)
-        and, on its first allocation, a staging slot."""
+        and, on its first allocation, a staging slot. ``computed``: the prefix lookup of an
+        admission (:meth:`get_computed_blocks`), counted in the prefix-cache counters."""
         self.assign_staging_slot(seq)
+        if computed is not None:
+            self.num_prefix_queries += seq.num_tokens
+            self.num_prefix_hits += len(computed) * self.block_size
         if computed:
             self.pool.touch(computed)
             seq.blocks.extend(computed)
