@@ -81,8 +81,10 @@ class ModelCost:
                      + 3 * d * args.intermediate_size)
         return cls(weight_bytes, args.num_layers * per_layer,
                    4 * args.num_layers * args.num_heads * hd, 2 * d * args.vocab_size,
-                   PagedKVCache.bytes_per_token(args.num_layers, args.num_kv_heads, hd,
-                                                k_dtype, v_dtype, k_scale, block_size))
+                   PagedKVCache.bytes_per_token(
+                       num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
+                       head_dim=hd, k_dtype=k_dtype, v_dtype=v_dtype, k_scale=k_scale,
+                       block_size=block_size))
 
     def step_bytes(self, batch: Batch) -> float:
         kv_tokens = sum(c + n for c, n in zip(batch.context, batch.new_tokens))
