@@ -114,7 +114,7 @@ def test_the_workload_preempts_and_hits_the_prefix_cache():
 
 def test_a_full_block_is_offered_to_the_prefix_index_once():
     pool = BlockPool(16)
-    manager = KVCacheManager(pool, 4, session_ttl_s=60.0)
+    manager = KVCacheManager(pool, 4, session_ttl_s=600.0)
     offered = []
     cache_block = pool.cache_block
     pool.cache_block = lambda block, h: (offered.append(block.block_id), cache_block(block, h))

@@ -17,6 +17,13 @@ def _csv(kind: type):
     return lambda text: tuple(kind(x) for x in text.split(",") if x)
 
 
+def _quiet() -> None:
+    """The scheduler logs every watermark crossing: thousands in a simulated hour."""
+    import logging
+
+    logging.getLogger("slimkv.scheduler").setLevel(logging.ERROR)
+
+
 def add_simulate_cli(bench: argparse._SubParsersAction) -> None:
     p = bench.add_parser("simulate", help="capacity at the case's scale: the real scheduler "
                          "on a simulated clock with a device step-time model")
@@ -61,6 +68,7 @@ def _write(obj: dict, path: Path) -> None:
 
 
 def cmd_case(args: argparse.Namespace) -> int:
+    _quiet()
     from slimkv.simulate.capacity import CaseSpec, run_case
 
     spec = CaseSpec(args.model, args.device, args.context, args.doc_tokens, args.max_tokens,
@@ -71,6 +79,7 @@ def cmd_case(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    _quiet()
     from slimkv.bench.engine import machine_info
     from slimkv.config import Config
     from slimkv.simulate.calibrate import calibrate
@@ -91,11 +100,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_fleet(args: argparse.Namespace) -> int:
+    _quiet()
     from slimkv.simulate.fleet import fleet_rows
 
     result = fleet_rows(args.model, args.device, args.variants, args.sessions,
                         args.think_time, args.duration, args.warmup)
-    _write(result, args.out_dir / "fleet.json")
+    _write(result, args.out_dir / f"fleet-{args.model}-{'-'.join(args.variants)}.json")
     return cmd_report(args)
 
 

@@ -99,16 +99,23 @@ def cpu_cost(config: Config) -> ModelCost:
                         kv.k_scale, kv.block_size)
 
 
+FEATURES = ("steps", "sequences", "bytes", "linear_flops", "attention_pairs")
+
+
+def features(batch: Batch, cost: ModelCost) -> list[float]:
+    return [1.0, len(batch.new_tokens), cost.step_bytes(batch), cost.linear_flops(batch),
+            cost.step_pairs(batch)]
+
+
 def fit_cpu(steps: list[StepRecord], cost: ModelCost) -> Device:
     """Non-negative least squares, rows weighted by 1/t (relative error), of
-    ``t = overhead + per_seq * seqs + bytes / BW + flops / F``."""
+    ``t = overhead + per_seq * seqs + bytes / BW + linear FLOPs / F + pairs * attn``."""
     rows = [s for s in steps if s.batch is not None]
-    X = np.array([[1.0, len(s.batch.new_tokens), cost.step_bytes(s.batch),
-                   cost.step_flops(s.batch)] for s in rows])
+    X = np.array([features(s.batch, cost) for s in rows])
     y = np.array([s.duration for s in rows])
     w = 1.0 / y
-    active = list(range(4))
-    coef = np.zeros(4)
+    active = list(range(X.shape[1]))
+    coef = np.zeros(X.shape[1])
     while active:
         sol, *_ = np.linalg.lstsq(X[:, active] * w[:, None], y * w, rcond=None)
         if (sol >= 0).all():
@@ -120,7 +127,7 @@ def fit_cpu(steps: list[StepRecord], cost: ModelCost) -> Device:
     return Device("cpu (fitted)", hbm_gbps=1 / inv_bw / 1e9 if inv_bw else 1e9,
                   bf16_tflops=1 / inv_f / 1e12 if inv_f else 1e9, memory_gb=0, bw_eff=1.0,
                   flop_eff=1.0, overhead_s=float(coef[0]), per_seq_s=float(coef[1]),
-                  overlap=False)
+                  overlap=False, attn_s_per_pair=float(coef[4]))
 
 
 def step_error(steps: list[StepRecord], model: StepModel) -> dict[str, float]:
@@ -154,7 +161,12 @@ def calibrate(config: Config, spec: SessionSpec, fit_level: int, test_level: int
             "fitted": {"overhead_ms": round(dev.overhead_s * 1e3, 3),
                        "per_seq_ms": round(dev.per_seq_s * 1e3, 3),
                        "bandwidth_gbps": round(dev.hbm_gbps, 2),
-                       "tflops": round(dev.bf16_tflops, 4)},
+                       "tflops": round(dev.bf16_tflops, 4),
+                       "attn_ns_per_pair": round(dev.attn_s_per_pair * 1e9, 4)},
+            "raw_steps": {level: [[*features(s.batch, cost), s.duration]
+                                  for s in measured[level].steps if s.batch is not None]
+                          for level in measured},
+            "raw_columns": [*FEATURES, "seconds"],
             "step_error_fit": step_error(measured[fit_level].steps, model),
             "step_error_test": step_error(measured[test_level].steps, model),
             "measured": measured[test_level].summary(), "predicted": predicted.summary()}

@@ -66,7 +66,7 @@ class Card:
         p = plan(model, device.memory_bytes, context=context, sessions=soft,
                  block_size=16, batch_tokens=sched.max_num_batched_tokens,
                  kv_dtypes=(variant.dtype,), k_scale=variant.k_scale)
-        staged = Staging.needed(variant.dtype, variant.dtype, args.head_dim, variant.k_scale, None)
+        staged = Staging.needed(variant.dtype, variant.dtype, args.head_dim, variant.k_scale)
         kv = KVCacheConfig(dtype=variant.dtype, k_scale=variant.k_scale, paged=variant.paged,
                            num_blocks=p.rows[0].num_blocks, max_concurrency_soft=soft,
                            watermark=watermark, **kv_changes)

@@ -10,8 +10,10 @@ does ``2 * linear_params`` FLOPs per token, plus ``4 * layers * heads * head_dim
 
 ``combine`` is ``max`` on an accelerator (memory and tensor cores overlap: the roofline)
 and ``sum`` on this CPU (eager torch runs one op after another). GPU efficiencies are
-stated assumptions (``GPU_DEFAULTS``); on the CPU all four constants are fitted to
-measured steps (:mod:`slimkv.simulate.calibrate`) and the fit is tested on a held-out level.
+stated assumptions (``GPU_DEFAULTS``); on the CPU the constants are fitted to measured
+steps (:mod:`slimkv.simulate.calibrate`), with attention as its own term (seconds per
+query-key pair: the CPU's paged-decode kernel converts every cached element it reads, far
+below GEMM speed), and the fit is tested on a held-out level.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Device:
     overhead_s: float = GPU_DEFAULTS["overhead_s"]
     per_seq_s: float = GPU_DEFAULTS["per_seq_s"]
     overlap: bool = True        # max(memory, compute); False: their sum
+    attn_s_per_pair: float | None = None   # fitted CPU decode kernel; None: FLOPs at F
 
     @property
     def memory_bytes(self) -> int:
@@ -78,19 +81,25 @@ class ModelCost:
                      + 3 * d * args.intermediate_size)
         return cls(weight_bytes, args.num_layers * per_layer,
                    4 * args.num_layers * args.num_heads * hd, 2 * d * args.vocab_size,
-                   PagedKVCache.bytes_per_token(num_layers=args.num_layers,
-                                                num_kv_heads=args.num_kv_heads, head_dim=hd,
-                                                k_dtype=k_dtype, v_dtype=v_dtype,
-                                                k_scale=k_scale, block_size=block_size))
+                   PagedKVCache.bytes_per_token(
+                       num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
+                       head_dim=hd, k_dtype=k_dtype, v_dtype=v_dtype, k_scale=k_scale,
+                       block_size=block_size))
 
     def step_bytes(self, batch: Batch) -> float:
         kv_tokens = sum(c + n for c, n in zip(batch.context, batch.new_tokens))
         return self.weight_bytes + kv_tokens * self.kv_bytes_per_token
 
+    @staticmethod
+    def step_pairs(batch: Batch) -> float:
+        """(query, key) pairs of attention, causal within a chunk."""
+        return sum(n * (c + (n + 1) / 2) for c, n in zip(batch.context, batch.new_tokens))
+
+    def linear_flops(self, batch: Batch) -> float:
+        return 2 * self.linear_params * batch.num_tokens + self.logit_flops * batch.num_sampled
+
     def step_flops(self, batch: Batch) -> float:
-        pairs = sum(n * (c + (n + 1) / 2) for c, n in zip(batch.context, batch.new_tokens))
-        return (2 * self.linear_params * batch.num_tokens + self.attn_flops_per_pair * pairs
-                + self.logit_flops * batch.num_sampled)
+        return self.linear_flops(batch) + self.attn_flops_per_pair * self.step_pairs(batch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +112,10 @@ class StepModel:
     def __call__(self, batch: Batch) -> float:
         dev = self.device
         mem = self.cost.step_bytes(batch) / (dev.hbm_gbps * 1e9 * dev.bw_eff)
-        comp = self.cost.step_flops(batch) / (dev.bf16_tflops * 1e12 * dev.flop_eff)
+        if dev.attn_s_per_pair is None:
+            comp = self.cost.step_flops(batch) / (dev.bf16_tflops * 1e12 * dev.flop_eff)
+        else:
+            comp = (self.cost.linear_flops(batch) / (dev.bf16_tflops * 1e12 * dev.flop_eff)
+                    + dev.attn_s_per_pair * self.cost.step_pairs(batch))
         busy = max(mem, comp) if dev.overlap else mem + comp
         return dev.overhead_s + dev.per_seq_s * len(batch.new_tokens) + busy

@@ -86,7 +86,7 @@ class SimEngine:
         opts = dict(session_ttl_s=kv.session_ttl_s, num_staging_slots=num_staging_slots)
         self.manager = (KVCacheManager(self.pool, kv.block_size, **opts) if kv.paged else
                         ContiguousKVManager(self.pool, kv.block_size, max_model_len, **opts))
-        self.manager.clock = lambda: self.now
+        getattr(self.manager, "paged", self.manager).clock = lambda: self.now
         self.scheduler = Scheduler(kv, sched, self.manager)
         self.requests: dict[str, Sequence] = {}
         self.num_steps = 0

@@ -128,7 +128,7 @@ def fleet_rows(model: str, device_name: str, dtypes: tuple[str, ...],
         card = Card.build(model, device(device_name), Variant(dtype), 4096)
         first, *rest = sorted(sessions)
         cards, tried = cards_needed(card, spec, first, duration, warmup,
-                                    max(1, first // 200), max(2, first // 20))
+                                    max(1, first // 400), max(2, first // 20))
         result = next((t for t in tried if t["replicas"] == cards), None) or \
             run_fleet(card, cards, spec, first, duration, warmup)
         rows.append({"variant": card.variant.name, "sessions": first, "cards": cards,

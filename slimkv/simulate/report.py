@@ -52,14 +52,15 @@ def case_table(case: dict[str, Any]) -> list[str]:
 
 def calibration_table(runs: list[dict[str, Any]]) -> list[str]:
     lines = ["| KV cache | fit on / test on (clients) | fitted: overhead ms, per-seq ms, GB/s, "
-             "TFLOPS | step error held out: decode median (P90) | all steps median (P90) "
+             "TFLOPS, attention ns/pair | step error held out: decode median (P90) | all steps median (P90) "
              "| decode step P50 measured / predicted (ms) | TTFT P50 measured / predicted (s) "
              "| TTFT P99 measured / predicted (s) |", "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         f, e, m, p = r["fitted"], r["step_error_test"], r["measured"], r["predicted"]
         lines.append(
             f"| {r['kv_dtype']} | {r['fit_level']} / {r['test_level']} | {f['overhead_ms']}, "
-            f"{f['per_seq_ms']}, {f['bandwidth_gbps']}, {f['tflops']} | "
+            f"{f['per_seq_ms']}, {f['bandwidth_gbps']}, {f['tflops']}, "
+            f"{f.get('attn_ns_per_pair', '-')} | "
             f"{e['decode'].get('median', 0):.1%} ({e['decode'].get('p90', 0):.1%}) | "
             f"{e['all']['median']:.1%} ({e['all']['p90']:.1%}) | "
             f"{_ms(m['decode_step_s']['p50'])} / {_ms(p['decode_step_s']['p50'])} | "
@@ -130,8 +131,7 @@ def write_results(out_dir: Path) -> list[Path]:
         written.append(png)
         lines += ["## " + path.stem, "", f"`{case['command']}` (took {case['elapsed_s']} s)",
                   ""] + case_table(case) + [f"![{path.stem}]({png.name})", ""]
-    fleet = out_dir / "fleet.json"
-    if fleet.is_file():
+    for fleet in sorted(out_dir.glob("fleet-*.json")):
         data = json.loads(fleet.read_text())
         lines += [f"## Fleet: {data['model']} on {data['device']} replicas", "",
                   f"`{data['command']}`", ""] + fleet_table(data)
