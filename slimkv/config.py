@@ -17,6 +17,9 @@ from typing import Any
 import yaml
 
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# model.weights: auto = the file's 4/8-bit class where the CPU kernel runs and model.dtype is
+# auto; a pinned model.dtype (the tests pin float32) keeps unquantized weights in it.
+WEIGHT_CLASSES = ("auto", "float32", "bfloat16", "int8", "int4")
 KV_DTYPES = ("auto", "float32", "float16", "bfloat16",
              "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "int4")
 # kv_cache.layer_dtypes names concrete formats only.
@@ -81,12 +84,18 @@ class ModelConfig:
 
     path: str | None = None
     dtype: str = "auto"
+    # float32 / bfloat16: unquantized (also the model dtype where model.dtype is auto).
+    weights: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
     name: str | None = None
 
     def __post_init__(self) -> None:
         _check_choice(self.dtype, MODEL_DTYPES, "model.dtype")
+        _check_choice(self.weights, WEIGHT_CLASSES, "model.weights")
+        _check(self.weights in ("auto", "int8", "int4") or self.dtype in ("auto", self.weights),
+               "model.weights", f"unquantized {self.weights} weights need model.dtype "
+               f"{self.weights} or auto, got {self.dtype}")
         _check(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
                "model.device", f"expected auto, cpu, cuda or cuda:N, got {self.device!r}")
         _check_int(self.max_model_len, "model.max_model_len", optional=True)

@@ -13,6 +13,7 @@ import torch
 
 from slimkv.attention import AttentionMetadata, PagedAttention
 from slimkv.config import Config, ConfigError
+from slimkv.kernels.qgemm import qgemm_native, qgemm_unavailable_reason
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
 from slimkv.memory import activation_peak, weight_bytes
@@ -44,6 +45,23 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if native else torch.float32
 
 
+def resolve_weights(config_weights: str, config_dtype: str, device: torch.device) -> str:
+    """``model.weights`` as a class of :mod:`slimkv.model.weights`: ``auto`` keeps the
+    file's 4/8-bit blocks where the CPU kernel runs natively and the model dtype is not
+    pinned; quantized classes need the CPU kernel."""
+    if config_weights in ("int4", "int8"):
+        reason = (f"the device is {device}" if device.type != "cpu" else
+                  qgemm_unavailable_reason())
+        if reason:
+            raise ConfigError(f"model.weights={config_weights} needs the CPU weight kernel "
+                              f"(slimkv/kernels/qgemm.c): {reason}")
+        return config_weights
+    if config_weights == "auto" and config_dtype == "auto" and device.type == "cpu" \
+            and qgemm_native():
+        return "file"
+    return "float"
+
+
 def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
@@ -59,10 +77,13 @@ class ModelRunner:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.device = resolve_device(config.model.device)
-        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        weights, dtype = config.model.weights, config.model.dtype
+        self.dtype = resolve_dtype(weights if weights in ("float32", "bfloat16") and
+                                   dtype == "auto" else dtype, self.device)
+        self.weights = resolve_weights(weights, dtype, self.device)
         model_dtype = str(self.dtype).removeprefix("torch.")
         self.model_args, self.model, self.tokenizer = load_model(
-            config.model.path, self.dtype, self.device)
+            config.model.path, self.dtype, self.device, self.weights)
         args, kv = self.model_args, config.kv_cache
         self.max_model_len = min(config.model.max_model_len or args.max_position_embeddings,
                                  args.max_position_embeddings)

@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "slimkv"
 # The serving core, bottom-up; a module may import its own layer and the layers below.
 CORE_LAYERS = [
     ["slimkv.config", "slimkv.stats", "slimkv.engine_stats"],
+    ["slimkv.kernels.build", "slimkv.kernels.qgemm"],
     ["slimkv.model", "slimkv.sampling_params", "slimkv.sampling", "slimkv.logits_process",
      "slimkv.structured", "slimkv.logprobs", "slimkv.choices", "slimkv.kv.quant",
      "slimkv.kv.block_scales", "slimkv.kv.layers", "slimkv.kv.block_pool", "slimkv.sequence",
