@@ -19,6 +19,9 @@ from slimkv.engine_stats import BlockInfo, EngineStats, LaneCounts
 from slimkv.kv.block_pool import BlockPool
 from slimkv.kv.contiguous import ContiguousKVManager
 from slimkv.kv.manager import KVCacheManager
+from slimkv.choices import Choices
+from slimkv.logprobs import SampledToken, token_logprobs
+from slimkv.kv.offload import attach_offload
 from slimkv.outputs import Detokenizer, RequestOutput
 from slimkv.runner import ModelRunner
 from slimkv.sampling import SamplingParams
@@ -44,9 +47,11 @@ class LLMEngine:
                     num_staging_slots=self.runner.num_staging_slots)
         self.manager = (KVCacheManager(self.pool, kv.block_size, **opts) if kv.paged else
                         ContiguousKVManager(self.pool, kv.block_size, self.max_model_len, **opts))
+        self.tier = attach_offload(self) if kv.offload is not None else None
         self.scheduler = Scheduler(kv, config.scheduler, self.manager)
         self.detokenizer = Detokenizer(self.tokenizer)
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, Sequence] = {}  # every live sequence, by its own id
+        self.choices = Choices()
         self.num_steps = 0
         self.finished_reasons: Counter[str] = Counter()
         self._ids = itertools.count()
@@ -63,16 +68,22 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None,
                     session_id: Hashable | None = None) -> Sequence:
+        """Queue a request; returns its first sequence (``n`` choices: slimkv.choices)."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_request(ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self.requests:
+        if request_id in self.choices:
             raise RequestError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, ids, params, session_id=session_id)
-        seq.arrival_step = self.num_steps
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
-        return seq
+        group = [Sequence(request_id, ids, params, session_id=session_id if i == 0 else None,
+                          index=i) for i in range(params.n)]
+        for seq in group:
+            seq.matcher = (self.runner.grammars.matcher(params.json_schema)
+                           if params.json_schema is not None else None)
+            seq.arrival_step = self.num_steps
+            self.requests[seq.request_id] = seq
+        self.choices.add(group)
+        self.scheduler.add(group[0])
+        return group[0]
 
     def check_request(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -90,10 +101,14 @@ class LLMEngine:
                                f"{self.pool.num_blocks}")
 
     def abort_request(self, request_id: str) -> None:
-        seq = self.requests.get(request_id)
-        if seq is not None and not seq.is_finished:
-            seq.finish_reason = "abort"
-            self._finish(seq)
+        for seq in self.choices.of(request_id):
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self._finish(seq)
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether some choice of the request is still queued or running."""
+        return request_id in self.choices
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -106,8 +121,8 @@ class LLMEngine:
     def unscheduled_since(self, deadline: float) -> list[str]:
         """Ids of waiting requests never scheduled that arrived before ``deadline``
         (``time.monotonic()``)."""
-        return [s.request_id for s in self.scheduler.waiting
-                if s.scheduled_time is None and s.arrival_time < deadline]
+        return list(dict.fromkeys(s.parent_id for s in self.scheduler.waiting
+                                  if s.scheduled_time is None and s.arrival_time < deadline))
 
     # -- what the engine reports ---------------------------------------------------------
 
@@ -123,7 +138,7 @@ class LLMEngine:
             preemptions=sched.num_preemptions, evictions=pool.num_evictions,
             false_ooms=getattr(manager, "num_false_oom", 0),
             attention_paths=dict(self.runner.attention.path_counts),
-            finished=dict(self.finished_reasons))
+            finished=dict(self.finished_reasons), offload=self.tier.stats() if self.tier else {})
 
     def block_map(self) -> list[BlockInfo]:
         """Every block of the pool, in id order, with its state and holders."""
@@ -157,6 +172,8 @@ class LLMEngine:
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
             self.manager.cache_full_blocks(seq)
+        for seq in self.choices.ready():
+            self.scheduler.add(seq)
         return [self._append_token(seq, token) for seq, token in sampled]
 
     def score(self, token_ids: list[int], chunk: int | None = None) -> torch.Tensor:
@@ -179,7 +196,8 @@ class LLMEngine:
             self.manager.free(seq)
         return torch.cat(logits)
 
-    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+    def _append_token(self, seq: Sequence, sampled: SampledToken) -> RequestOutput:
+        token = sampled.token_id
         now = time.monotonic()
         out_ttft = None
         itl = None if seq.last_token_time is None else now - seq.last_token_time
@@ -198,7 +216,9 @@ class LLMEngine:
         if seq.finish_reason is not None:
             self._finish(seq)
         return RequestOutput(
-            request_id=seq.request_id, new_token_ids=[token], new_text=new_text,
+            request_id=seq.parent_id, index=seq.index,
+            logprobs=token_logprobs(self.tokenizer, sampled),
+            new_token_ids=[token], new_text=new_text,
             finished=seq.is_finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens, text=seq.output_text,
@@ -213,3 +233,4 @@ class LLMEngine:
         seq.status = SequenceStatus.FINISHED
         self.finished_reasons[seq.finish_reason] += 1
         del self.requests[seq.request_id]
+        self.choices.finished(seq)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from slimkv.logprobs import TokenLogprob
 from slimkv.model.tokenizer import Tokenizer
 from slimkv.sequence import Sequence
 
@@ -26,6 +27,8 @@ class RequestOutput:
     ttft: float | None = None         # seconds from arrival to first token (set once)
     itl: float | None = None          # seconds since this request's previous token
     e2e: float | None = None          # seconds from arrival to finish (set when finished)
+    index: int = 0                    # which of the request's ``n`` choices
+    logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when the request asked
 
 
 class Detokenizer:
@@ -43,7 +46,7 @@ class Detokenizer:
         string itself is never part of the output."""
         emitted = seq.num_emitted_chars
         text = self.tokenizer.decode(seq.output_token_ids)
-        stops = seq.params.stop
+        stops = seq.params.stop if seq.num_output_tokens >= seq.params.min_tokens else []
         if stops:
             start = max(0, emitted - max(len(s) for s in stops))
             hits = [(text.find(s, start), s) for s in stops]

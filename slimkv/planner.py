@@ -141,7 +141,7 @@ def plan(model: str, memory: int, *, context: int = 32768, sessions: int = 48,
     dtype = torch.bfloat16 if bits else getattr(torch, WEIGHT_DTYPES[weight_dtype])
     weights = model_weight_bytes(args, dtype, bits)
     reserve = max(activation_peak(args, dtype, torch.device("cpu"), k_dtype=kv, v_dtype=kv,
-                                  block_size=block_size, num_tokens=batch_tokens,
+                                  k_scale=k_scale, block_size=block_size, num_tokens=batch_tokens,
                                   num_logit_rows=sessions) for kv in kv_dtypes)
     budget = memory - weights - reserve
     if budget < 0:
@@ -163,7 +163,7 @@ def _row(args: ModelArgs, kv: str, budget: int, block_size: int, context: int,
     staged = Staging.needed(kv, kv, args.head_dim, k_scale)
     staging = Staging.bytes(args.num_layers, args.num_kv_heads, args.head_dim, block_size,
                             sessions + 1, dtype) if staged else 0
-    blocks = PagedKVCache.num_blocks_for_budget(budget, block_size, **shape, reserved_bytes=staging)
+    blocks = PagedKVCache.num_blocks_for_budget(budget, staging, **shape, block_size=block_size)
     return KVRow(kv, PagedKVCache.bytes_per_token(**shape, block_size=block_size), blocks,
                  max_sessions=blocks // cdiv(context, block_size),
                  context_at_sessions=blocks // sessions * block_size)

@@ -18,8 +18,10 @@ from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
 from slimkv.memory import activation_peak, weight_bytes
 from slimkv.model import load_model
+from slimkv.logprobs import SampledToken
 from slimkv.sampling import Sampler
 from slimkv.sequence import Sequence
+from slimkv.structured import Grammars
 
 GiB = 1 << 30
 _CPU_BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
@@ -95,8 +97,9 @@ class ModelRunner:
         args, kv = self.model_args, config.kv_cache
         self.max_model_len = min(config.model.max_model_len or args.max_position_embeddings,
                                  args.max_position_embeddings)
-        self.k_dtype = model_dtype if kv.key_dtype == "auto" else kv.key_dtype
-        self.v_dtype = model_dtype if kv.value_dtype == "auto" else kv.value_dtype
+        k_dtype, v_dtype = kv.k_dtype or kv.dtype, kv.v_dtype or kv.dtype
+        self.k_dtype = model_dtype if k_dtype == "auto" else k_dtype
+        self.v_dtype = model_dtype if v_dtype == "auto" else v_dtype
         shape = dict(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
                      head_dim=args.head_dim, k_dtype=self.k_dtype, v_dtype=self.v_dtype,
                      k_scale=kv.k_scale, layer_dtypes=kv.layer_dtypes)
@@ -117,9 +120,13 @@ class ModelRunner:
                 "(set kv_cache.strict: false to serve on the reference path anyway)")
         self.activation_bytes = activation_peak(
             args, self.dtype, self.device, k_dtype=self.k_dtype, v_dtype=self.v_dtype,
-            block_size=kv.block_size, num_tokens=config.scheduler.max_num_batched_tokens,
-            num_logit_rows=kv.max_concurrency_soft, max_len=self.max_model_len)
-        self.sampler = Sampler()
+            k_scale=kv.k_scale, block_size=kv.block_size,
+            num_tokens=config.scheduler.max_num_batched_tokens,
+            num_logit_rows=kv.max_concurrency_soft, max_len=self.max_model_len,
+            layer_dtypes=kv.layer_dtypes)
+        self.grammars = Grammars(self.tokenizer.hf, list(self.tokenizer.eos_token_ids),
+                                 args.vocab_size)
+        self.sampler = Sampler(self.tokenizer.eos_token_ids, self.grammars)
 
     def _num_blocks(self, shape: dict) -> int:
         """``kv_cache.num_blocks``, or what ``memory_gb`` holds once staging is set aside."""
@@ -128,8 +135,8 @@ class ModelRunner:
             return kv.num_blocks
         staging = Staging.bytes(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"],
                                 kv.block_size, self.num_staging_slots, self.dtype)
-        num_blocks = PagedKVCache.num_blocks_for_budget(
-            int(kv.memory_gb * GiB), kv.block_size, **shape, reserved_bytes=staging)
+        num_blocks = PagedKVCache.num_blocks_for_budget(int(kv.memory_gb * GiB), staging, **shape,
+                                                        block_size=kv.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache.memory_gb={kv.memory_gb} holds no {kv.block_size}-token block")
         return num_blocks
@@ -144,7 +151,8 @@ class ModelRunner:
     # -- one step ----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+    def execute(self, scheduled: list[tuple[Sequence, int]]
+                ) -> list[tuple[Sequence, SampledToken]]:
         """Run the scheduled tokens; each sequence whose step reaches its last token
         samples one: ``(sequence, token)`` pairs in batch order."""
         meta, rows, seqs = self._prepare(scheduled)
@@ -152,16 +160,18 @@ class ModelRunner:
         if not rows:
             return []
         logits = self.model.compute_logits(hidden[rows])
-        tokens = self.sampler(logits, [s.params for s in seqs],
-                              [self._generator(s, logits.device) for s in seqs])
-        return list(zip(seqs, tokens))
+        for seq in seqs:
+            self._generator(seq, logits.device)
+        return list(zip(seqs, self.sampler(logits, seqs)))
 
     @staticmethod
     def _generator(seq: Sequence, device: torch.device) -> torch.Generator | None:
         """The seeded request's own generator, made on first use and kept (preemption
-        included), so its samples do not depend on the batch it runs in."""
+        included), so its samples do not depend on the batch it runs in; choice ``i`` of
+        ``n`` uses ``seed + i``."""
         if seq.generator is None and seq.params.seed is not None:
-            seq.generator = torch.Generator(device).manual_seed(seq.params.seed)
+            seed = seq.params.seed + seq.index  # each of the n choices draws its own
+            seq.generator = torch.Generator(device).manual_seed(seed % 2**64 if seed >= 0 else seed)
         return seq.generator
 
     @torch.inference_mode()

@@ -113,8 +113,7 @@ class Scheduler:
             seq = self._next_waiting(slow_budget)
             if seq is None:
                 return
-            computed = (self.manager.get_computed_blocks(seq)
-                        if seq.num_computed_tokens == 0 else [])
+            computed = self.manager.get_computed_blocks(seq)   # waiting: nothing computed
             remaining = seq.num_tokens - len(computed) * self.manager.block_size
             n = min(remaining, budget, slow_budget if seq.lane == "slow" else budget)
             if not self.manager.can_allocate(seq, n, computed):

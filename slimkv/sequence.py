@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Hashable
+from typing import TYPE_CHECKING, Any, Hashable
 
 from slimkv.kv.block_pool import Block
 from slimkv.sampling_params import SamplingParams
@@ -28,8 +28,11 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 lane: str = "fast", session_id: Hashable | None = None) -> None:
-        self.request_id = request_id
+                 lane: str = "fast", session_id: Hashable | None = None,
+                 index: int = 0) -> None:
+        self.request_id = request_id if index == 0 else f"{request_id}#{index}"  # unique
+        self.parent_id = request_id  # the request it answers: one of its ``n`` choices
+        self.index = index
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
@@ -44,6 +47,7 @@ class Sequence:
         self.output_text = ""
         self.num_emitted_chars = 0
         self.generator: torch.Generator | None = None  # a seeded request's, see ModelRunner
+        self.matcher: Any = None  # the grammar state of a structured-output request
         self.arrival_time = time.monotonic()
         self.scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -113,6 +113,7 @@ def test_fast_and_reference_equal_dense_attention() -> None:
     torch.testing.assert_close(reference, expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.usefixtures("fused_kernel")
 def test_path_counts() -> None:
     _, fast = _run(MIXED_BATCH, fast=True)
     assert fast.path_counts == {"fused_decode": 1, "fast_prefill": 1}

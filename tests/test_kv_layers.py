@@ -42,7 +42,7 @@ def test_bytes_per_token_is_sum_over_layers(k_scale: str) -> None:
 def test_budget_uses_mixed_block_bytes() -> None:
     shape = dict(**SMOLLM2, k_dtype="int4", v_dtype="int4", k_scale="per_token", layer_dtypes=MIX)
     per_block = PagedKVCache.block_bytes(**shape, block_size=BLOCK)
-    assert PagedKVCache.num_blocks_for_budget(10 * per_block - 1, BLOCK, **shape) == 9
+    assert PagedKVCache.num_blocks_for_budget(10 * per_block - 1, **shape, block_size=BLOCK) == 9
 
 
 def _mixed_cache(k_scale: str = "per_token") -> PagedKVCache:

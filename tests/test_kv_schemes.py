@@ -159,7 +159,7 @@ def test_bytes_match_allocation(name: str, k_scale: str) -> None:
     assert cache.nbytes == NUM_BLOCKS * PagedKVCache.block_bytes(**shape, block_size=BLOCK)
     assert staging.nbytes == Staging.bytes(2, KV_HEADS, HEAD_DIM, BLOCK, SLOTS, torch.float32)
     assert PagedKVCache.num_blocks_for_budget(
-        cache.nbytes + staging.nbytes, BLOCK, **shape, reserved_bytes=staging.nbytes) == NUM_BLOCKS
+        cache.nbytes + staging.nbytes, staging.nbytes, **shape, block_size=BLOCK) == NUM_BLOCKS
 
 
 def test_planner_accounts_for_block_scales_and_staging() -> None:
@@ -229,3 +229,38 @@ def test_harness_quick_suite_per_channel_block_bounds() -> None:
     loss_group = regressions(runs["int4:per_token"], ev)["perplexity"]
     loss_channel = regressions(runs["int4:per_channel_block"], ev)["perplexity"]
     assert loss_group > 0 and loss_channel * 3 <= loss_group
+
+
+def _quantized(x: torch.Tensor, reduce: int) -> torch.Tensor:
+    """Symmetric int8 round trip with a float16 absmax scale over dim ``reduce``."""
+    scale = (x.abs().amax(reduce, keepdim=True) / 127).half().float()
+    return (x / scale).round().clamp(-127, 127) * scale
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_staged_prefill_equals_an_independent_float_computation(fast: bool) -> None:
+    """One 11-token prefill into blocks [5, 2, 7] of an int8 cache with per-channel key
+    scales. By hand: a query at position p sees the keys and values of the blocks before
+    its own quantized (keys per channel over each full block, values per token) and its
+    own block's up to p at full precision, in plain float32 attention."""
+    n, group = 11, HEADS // KV_HEADS
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(n, HEADS, HEAD_DIM, generator=gen)
+    k, v = (torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen) * 3 for _ in range(2))
+    cache, staging = _staged("int8", "per_channel_block")
+    attn = PagedAttention(cache, HEADS, SCALE, torch.float32, fast=fast, staging=staging)
+    meta = AttentionMetadata.build(BLOCK, [[5, 2, 7]], [n], [n], torch.device("cpu"), [0])
+    out = attn(0, q, k, v, meta)
+
+    full = n // BLOCK * BLOCK
+    k_pool = _quantized(k[:full].unflatten(0, (-1, BLOCK)), 1).flatten(0, 1)
+    v_pool = _quantized(v[:full], -1)
+    expected = torch.empty_like(q)
+    for p in range(n):
+        own = p // BLOCK * BLOCK
+        keys = torch.cat((k_pool[:own], k[own:p + 1]))
+        values = torch.cat((v_pool[:own], v[own:p + 1]))
+        for h in range(HEADS):
+            probs = (keys[:, h // group] @ q[p, h] * SCALE).softmax(0)
+            expected[p, h] = probs @ values[:, h // group]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

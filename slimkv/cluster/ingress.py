@@ -95,7 +95,7 @@ class ClusterBackend:
                 ids = self.tokenizer.encode(request.prompt)
             else:
                 ids = list(request.prompt)
-            params = request.make_params(len(ids))
+            params = request.params = request.make_params(len(ids))
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_value") from exc
         keys = RouteKeys(request.session_id,
@@ -114,7 +114,7 @@ class ClusterBackend:
                 if isinstance(item, WireError):
                     finished = True
                     raise item.error()
-                finished = item.finished
+                finished = request.finishes(item)
                 yield item
         except REPLICA_LOST as exc:
             finished = True

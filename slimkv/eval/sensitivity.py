@@ -46,8 +46,9 @@ class KVShape:
     def bits(self, dtype: str, layer_dtypes: dict[str, list[int]] | None = None) -> float:
         """Average stored bits per K or V element with ``dtype`` outside ``layer_dtypes``."""
         per_token = PagedKVCache.bytes_per_token(
-            self.num_layers, self.num_kv_heads, self.head_dim, dtype, dtype, self.k_scale,
-            self.block_size, layer_dtypes)
+            num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            k_dtype=dtype, v_dtype=dtype, k_scale=self.k_scale, block_size=self.block_size,
+            layer_dtypes=layer_dtypes)
         return 8 * per_token / (2 * self.num_layers * self.num_kv_heads * self.head_dim)
 
 

@@ -16,12 +16,13 @@ blocks only (:meth:`PagedKVCache.write_blocks`), from the staging slots in front
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from slimkv.kv.layers import LayerDtypes, layer_codecs, side_codec
-from slimkv.kv.quant import AUX_DTYPE, KVCodec, QuantizedKV, make_codec
+from slimkv.kv.layers import LayerDtypes, layer_codecs, side_codec, side_codecs
+from slimkv.kv.quant import AUX_DTYPE, KVCodec, QuantizedKV
 from slimkv.stats import cdiv
 
 _SIDES = ("k", "v")
@@ -58,8 +59,7 @@ class PagedKVCache:
         self.device = torch.device(device)
         self.k_scale = k_scale
         self.layer_dtypes = layer_dtypes
-        self.codecs: dict[str, KVCodec] = {
-            "k": side_codec(k_dtype, head_dim, k_scale), "v": make_codec(v_dtype, head_dim)}
+        self.codecs = side_codecs(k_dtype, v_dtype, head_dim, k_scale)
         self.layer_codecs = layer_codecs(num_layers, head_dim, k_dtype, v_dtype, k_scale,
                                          layer_dtypes)
         self._groups = self._group_layers()
@@ -105,25 +105,18 @@ class PagedKVCache:
         return num_kv_heads * per_head
 
     @classmethod
-    def bytes_per_token(cls, num_layers: int, num_kv_heads: int, head_dim: int, k_dtype: str,
-                        v_dtype: str, k_scale: str, block_size: int,
-                        layer_dtypes: LayerDtypes | None = None) -> float:
-        """Bytes one token occupies in the pool: :meth:`block_bytes` / ``block_size`` (an
-        integer whenever per-block scales divide evenly; staging is not per token, see
-        :meth:`slimkv.kv.staging.Staging.bytes`)."""
-        per_block = cls.block_bytes(num_layers, num_kv_heads, head_dim, k_dtype, v_dtype,
-                                    k_scale, block_size, layer_dtypes)
+    def bytes_per_token(cls, **shape: Any) -> float:
+        """Bytes one token occupies in the pool: :meth:`block_bytes` (same arguments) /
+        ``block_size`` (an integer whenever per-block scales divide evenly; staging is not
+        per token, see :meth:`slimkv.kv.staging.Staging.bytes`)."""
+        per_block, block_size = cls.block_bytes(**shape), shape["block_size"]
         return per_block // block_size if per_block % block_size == 0 else per_block / block_size
 
     @classmethod
-    def num_blocks_for_budget(cls, budget_bytes: int, block_size: int, *, num_layers: int,
-                              num_kv_heads: int, head_dim: int, k_dtype: str, v_dtype: str,
-                              k_scale: str, reserved_bytes: int = 0,
-                              layer_dtypes: LayerDtypes | None = None) -> int:
-        """How many blocks fit in ``budget_bytes`` less ``reserved_bytes`` (staging), floor."""
-        per_block = cls.block_bytes(num_layers, num_kv_heads, head_dim, k_dtype, v_dtype,
-                                    k_scale, block_size, layer_dtypes)
-        return max(0, budget_bytes - reserved_bytes) // per_block
+    def num_blocks_for_budget(cls, budget_bytes: int, reserved_bytes: int = 0, **shape: Any) -> int:
+        """How many blocks of :meth:`block_bytes` (same arguments) fit in ``budget_bytes``
+        less ``reserved_bytes`` (staging), floor."""
+        return max(0, budget_bytes - reserved_bytes) // cls.block_bytes(**shape)
 
     @property
     def bytes_per_block(self) -> int:

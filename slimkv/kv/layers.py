@@ -28,6 +28,11 @@ def side_codec(name: str, head_dim: int, scale: str) -> KVCodec:
     return codec
 
 
+def side_codecs(k_dtype: str, v_dtype: str, head_dim: int, k_scale: str) -> dict[str, KVCodec]:
+    """``{"k": codec, "v": codec}``: keys with the ``k_scale`` layout, values per token."""
+    return {"k": side_codec(k_dtype, head_dim, k_scale), "v": make_codec(v_dtype, head_dim)}
+
+
 def layer_dtype_names(num_layers: int, k_dtype: str, v_dtype: str,
                       layer_dtypes: LayerDtypes | None) -> list[tuple[str, str]]:
     """``(K dtype, V dtype)`` of every layer."""
@@ -48,7 +53,7 @@ def layer_codecs(num_layers: int, head_dim: int, k_dtype: str, v_dtype: str, k_s
     made: dict[tuple[str, str], dict[str, KVCodec]] = {}
     out = []
     for k, v in layer_dtype_names(num_layers, k_dtype, v_dtype, layer_dtypes):
-        codecs = {"k": side_codec(k, head_dim, k_scale), "v": make_codec(v, head_dim)}
+        codecs = side_codecs(k, v, head_dim, k_scale)
         # Keyed by canonical names, so aliases (fp8, fp8_e4m3) share one pool too.
         out.append(made.setdefault((codecs["k"].name, codecs["v"].name), codecs))
     return out

@@ -90,16 +90,16 @@ class Staging:
         return StagedKV(start - held, k_ctx, v_ctx)
 
     def append_decodes(self, layer: int, slots: Tensor, positions: Tensor, block_ids: Tensor,
-                       k: Tensor, v: Tensor) -> None:
+                       k: Tensor, v: Tensor, filled: Tensor | None) -> None:
         """One token per sequence at once: token ``i`` at ``positions[i]`` of the block
-        ``block_ids[i]``, staged in ``slots[i]``."""
+        ``block_ids[i]``, staged in ``slots[i]``; the tokens ``filled`` (indices, or None)
+        fill their blocks, which go into the pool."""
         offsets = positions % self.block_size
         for side, x in enumerate((k, v)):
             self.buffer[side, layer, slots, offsets] = x.to(self.buffer.dtype)
-        full = offsets == self.block_size - 1
-        if bool(full.any()):
-            blocks = self.buffer[:, layer, slots[full]]
-            self.cache.write_blocks(layer, block_ids[full], blocks[0], blocks[1])
+        if filled is not None:
+            blocks = self.buffer[:, layer, slots[filled]]
+            self.cache.write_blocks(layer, block_ids[filled], blocks[0], blocks[1])
 
     # -- reads ---------------------------------------------------------------------------
 

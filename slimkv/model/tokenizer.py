@@ -45,6 +45,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """Each token's own text (special tokens included), for log-probabilities."""
+        return self.hf.batch_decode([[i] for i in ids])
+
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if not self.hf.chat_template:
             raise ValueError(f"model {self.name!r} has no chat template; "

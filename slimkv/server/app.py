@@ -66,6 +66,7 @@ def create_app(engine: Backend, server: ServerConfig) -> FastAPI:
         if body.model != model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                            f"{model_name!r}", "model_not_found", "model")
+        body.check(server.max_n)
         request = GenerateRequest(
             fmt.request_id, prompt, isinstance(body, ChatCompletionRequest),
             lambda n: body.sampling_params(max(1, min(DEFAULT_MAX_TOKENS, max_model_len - n))),

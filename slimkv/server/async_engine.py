@@ -56,6 +56,12 @@ class GenerateRequest:
     params: SamplingParams | None = None
     loop: asyncio.AbstractEventLoop | None = None  # set by AsyncEngine.generate
     queue: asyncio.Queue[Item] | None = None
+    num_finished: int = 0                      # of its n choices
+
+    def finishes(self, out: RequestOutput) -> bool:
+        """Count a finished choice; True when this output ends the whole request."""
+        self.num_finished += out.finished
+        return self.num_finished >= (self.params.n if self.params else 1)
 
     def deliver(self, item: Item) -> None:
         if not self.loop.is_closed():
@@ -122,7 +128,7 @@ class AsyncEngine:
                 if isinstance(item, APIError):
                     finished = True  # the engine already dropped it
                     raise item
-                finished = item.finished
+                finished = request.finishes(item)
                 yield item
         finally:
             if not finished:
@@ -165,6 +171,7 @@ class AsyncEngine:
             outputs = self._step() if self.engine.has_unfinished() else []
             for out in outputs:
                 self._deliver(out)
+            self._forget_finished(outputs)
             stats = self.latest_stats = self.engine.stats()
             deltas = self._deltas(stats)
             self.metrics.update(stats, deltas, outputs)
@@ -253,12 +260,17 @@ class AsyncEngine:
         request = self._streams.get(out.request_id)
         if request is None:
             return
-        if out.finished:
-            del self._streams[out.request_id]
-            if self.canary:
-                self.canary.offer(request.prompt_ids, request.params, out.token_ids,
-                                  out.finish_reason)
+        if out.finished and out.index == 0 and self.canary:
+            self.canary.offer(request.prompt_ids, request.params, out.token_ids,
+                              out.finish_reason)
         request.deliver(out)
+
+    def _forget_finished(self, outputs: list[RequestOutput]) -> None:
+        """Drop the streams of requests whose every choice has ended (several may end in
+        one step, so only after all the step's outputs are delivered)."""
+        for request_id in {out.request_id for out in outputs if out.finished}:
+            if not self.engine.has_request(request_id):
+                self._streams.pop(request_id, None)
 
     def _fail_all(self, error: APIError) -> None:
         for request_id, request in list(self._streams.items()):

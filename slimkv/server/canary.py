@@ -76,7 +76,7 @@ class Canary:
     def offer(self, prompt: list[int], params: SamplingParams, output: list[int],
               finish_reason: str | None) -> None:
         """Called on the engine thread when a request finishes; never blocks it."""
-        if not params.greedy or finish_reason == "abort" or not output:
+        if not (params.greedy and params.plain) or finish_reason == "abort" or not output:
             return
         if self._rng.random() >= self.fraction:
             return

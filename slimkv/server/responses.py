@@ -13,17 +13,18 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Send
 
+from slimkv.logprobs import TokenLogprob
 from slimkv.outputs import RequestOutput
 from slimkv.server.errors import APIError
-from slimkv.server.protocol import (SamplingRequest, chat_choice, completion_choice,
-                                    response_envelope, usage)
+from slimkv.server.payloads import chat_choice, completion_choice, response_envelope, usage
+from slimkv.server.protocol import SamplingRequest
 
 
 @dataclass(slots=True)
@@ -35,37 +36,47 @@ class ResponseFormat:
     object_name = ""
     chunk_object_name = ""
 
-    def choice(self, text: str, finish_reason: str | None, delta: bool, first: bool) -> dict[str, Any]:
+    def choice(self, index: int, text: str, finish_reason: str | None,
+               logprobs: list[TokenLogprob] | None, delta: bool, first: bool) -> dict[str, Any]:
         raise NotImplementedError
 
     def chunk(self, out: RequestOutput, first: bool = False) -> dict[str, Any]:
-        return response_envelope(self.request_id, self.chunk_object_name, self.model,
-                                 [self.choice(out.new_text, out.finish_reason, True, first)])
+        return response_envelope(self.request_id, self.chunk_object_name, self.model, [
+            self.choice(out.index, out.new_text, out.finish_reason, out.logprobs, True, first)])
 
-    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
+    def usage_chunk(self, finals: list[RequestOutput]) -> dict[str, Any]:
         return response_envelope(self.request_id, self.chunk_object_name, self.model, [],
-                                 usage(out))
+                                 usage(finals))
 
-    def complete(self, out: RequestOutput) -> dict[str, Any]:
-        return response_envelope(self.request_id, self.object_name, self.model,
-                                 [self.choice(out.text, out.finish_reason, False, False)],
-                                 usage(out))
+    def complete(self, finals: list[RequestOutput],
+                 logprobs: dict[int, list[TokenLogprob]]) -> dict[str, Any]:
+        choices = [self.choice(out.index, out.text, out.finish_reason, logprobs.get(out.index),
+                               False, False) for out in finals]
+        return response_envelope(self.request_id, self.object_name, self.model, choices,
+                                 usage(finals))
 
 
 class ChatFormat(ResponseFormat):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def choice(self, text: str, finish_reason: str | None, delta: bool, first: bool) -> dict[str, Any]:
-        return chat_choice(text, finish_reason, delta=delta, first=first)
+    def choice(self, index: int, text: str, finish_reason: str | None,
+               logprobs: list[TokenLogprob] | None, delta: bool, first: bool) -> dict[str, Any]:
+        return chat_choice(index, text, finish_reason, logprobs, delta=delta, first=first)
 
 
+@dataclass(slots=True)
 class CompletionFormat(ResponseFormat):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
+    offsets: dict[int, int] = field(default_factory=dict)  # streamed text so far, per choice
 
-    def choice(self, text: str, finish_reason: str | None, delta: bool, first: bool) -> dict[str, Any]:
-        return completion_choice(text, finish_reason)
+    def choice(self, index: int, text: str, finish_reason: str | None,
+               logprobs: list[TokenLogprob] | None, delta: bool, first: bool) -> dict[str, Any]:
+        offset = self.offsets.get(index, 0) if delta else 0
+        if delta and logprobs:
+            self.offsets[index] = offset + sum(len(t.token) for t in logprobs)
+        return completion_choice(index, text, finish_reason, logprobs, offset)
 
 
 class EventStream(StreamingResponse):
@@ -94,16 +105,25 @@ class ClientGone(Exception):
 
 async def respond(outputs: AsyncIterator[RequestOutput], body: SamplingRequest,
                   fmt: ResponseFormat, http: Request) -> Response:
+    """The response to a request with ``body.n`` choices: each choice's outputs come in
+    order, interleaved with the others'; the request ends when every choice has."""
     try:
         first = await _next_while_connected(outputs, http)
         if body.stream:
-            return EventStream(_events(first, outputs, fmt, body.include_usage))
-        last = first
-        while not last.finished:
-            last = await _next_while_connected(outputs, http)
+            return EventStream(_events(first, outputs, fmt, body))
+        finals: dict[int, RequestOutput] = {}
+        logprobs: dict[int, list[TokenLogprob]] = {}
+        out = first
+        while True:
+            finals[out.index] = out
+            if out.logprobs is not None:
+                logprobs.setdefault(out.index, []).extend(out.logprobs)
+            if len(finals) == body.n and all(o.finished for o in finals.values()):
+                break
+            out = await _next_while_connected(outputs, http)
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONResponse(fmt.complete(last))
+    return JSONResponse(fmt.complete([finals[i] for i in sorted(finals)], logprobs))
 
 
 async def _next_while_connected(outputs: AsyncIterator[RequestOutput],
@@ -120,16 +140,17 @@ async def _next_while_connected(outputs: AsyncIterator[RequestOutput],
 
 
 async def _events(first: RequestOutput, outputs: AsyncIterator[RequestOutput],
-                  fmt: ResponseFormat, include_usage: bool) -> AsyncIterator[str]:
+                  fmt: ResponseFormat, body: SamplingRequest) -> AsyncIterator[str]:
     """The chunks, then ``[DONE]``. A failure after the status was sent (an engine error,
     a cluster replica that died) ends the stream with an ``{"error": {...}}`` event."""
+    finals = {first.index: first}
     try:
         yield _sse(fmt.chunk(first, first=True))
-        last = first
-        async for last in outputs:
-            yield _sse(fmt.chunk(last))
-        if include_usage:
-            yield _sse(fmt.usage_chunk(last))
+        async for out in outputs:
+            yield _sse(fmt.chunk(out, first=out.index not in finals))
+            finals[out.index] = out
+        if body.include_usage:
+            yield _sse(fmt.usage_chunk([finals[i] for i in sorted(finals)]))
     except APIError as exc:
         yield _sse(exc.body())
     finally:

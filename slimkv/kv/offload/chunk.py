@@ -6,7 +6,9 @@ A chunk's payload is one flat ``uint8`` tensor: for each pool tensor in
 chunk's blocks, raw. Reading it back writes the same bytes into (other) blocks of the pool,
 so a reloaded block is bit-identical to the one that was evicted.
 
-A chunk is keyed by the chained hash of its last block (:func:`hash_block`, which names the
+The last chunk of a sequence may be *partial* (fewer blocks, the payload padded to full
+size), so a session's tail is stored too. A chunk is keyed by the chained hash of its last
+block (:func:`hash_block`, which names the
 whole prefix) mixed with the *format digest*: the model file, the model dtype, the block
 size and every pool tensor's name, dtype and shape, so a key from another model or KV format
 never matches. Both are stable (blake2b), the same in every process and on every replica.
@@ -79,16 +81,18 @@ class ChunkLayout:
                                key=self.format_digest).digest()
 
     def gather(self, block_ids: Sequence[int]) -> Tensor:
-        """The payload of the chunk held in ``block_ids`` (``CHUNK_BLOCKS`` of them), a
-        contiguous ``uint8`` tensor on the CPU."""
-        assert len(block_ids) == CHUNK_BLOCKS
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.cache.device)
+        """The payload of the chunk held in ``block_ids`` (at most ``CHUNK_BLOCKS``; a
+        shorter, *partial* chunk repeats its last block to full size), a contiguous
+        ``uint8`` tensor on the CPU."""
+        assert 0 < len(block_ids) <= CHUNK_BLOCKS
+        padded = list(block_ids) + [block_ids[-1]] * (CHUNK_BLOCKS - len(block_ids))
+        ids = torch.tensor(padded, dtype=torch.long, device=self.cache.device)
         parts = [t[:, ids].contiguous().view(-1).view(torch.uint8) for _, t in self.tensors]
         return torch.cat(parts).cpu()
 
     def scatter(self, payload: Tensor, block_ids: Sequence[int], first: int = 0) -> None:
-        """Write chunk blocks ``first..CHUNK_BLOCKS-1`` of ``payload`` into ``block_ids``."""
-        assert len(block_ids) == CHUNK_BLOCKS - first and payload.numel() == self.num_bytes
+        """Write chunk blocks ``first, first + 1, ...`` of ``payload`` into ``block_ids``."""
+        assert first + len(block_ids) <= CHUNK_BLOCKS and payload.numel() == self.num_bytes
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.cache.device)
         offset = 0
         for (_, t), size in zip(self.tensors, self._sizes):
@@ -97,4 +101,4 @@ class ChunkLayout:
                 part = part.clone()  # a dtype view needs an aligned start
             offset += size * CHUNK_BLOCKS
             values = part.view(t.dtype).view(t.shape[0], CHUNK_BLOCKS, *t.shape[2:])
-            t[:, ids] = values[:, first:].to(t.device, non_blocking=False)
+            t[:, ids] = values[:, first:first + len(block_ids)].to(t.device)

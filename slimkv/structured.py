@@ -1,0 +1,97 @@
+"""Structured output: JSON-schema grammars (llguidance) and their batched token masks.
+
+A schema is compiled once (:meth:`Grammars.matcher` keeps the compiled matcher of the
+last :data:`CACHE_SIZE` schemas, keyed by the schema's canonical JSON) and every request
+gets a copy of it that tracks its own output. Each step, the masks of all constrained rows
+are computed in one parallel call (``fill_next_token_bitmask_par``) into one int32
+bitmask, unpacked with tensor ops and applied to the logits in place.
+
+llguidance was chosen over xgrammar on this CPU: see ``bench/results/grammar.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+CACHE_SIZE = 64
+JSON_OBJECT_SCHEMA = {"type": "object"}  # response_format {"type": "json_object"}
+
+
+def canonical_schema(schema: dict | bool) -> str:
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+
+
+def schema_error(schema: str) -> str | None:
+    """Why the JSON schema (a JSON string) cannot be compiled, or None if it can."""
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            schema, defaults={"whitespace_flexible": False})
+    except ValueError as exc:
+        return str(exc)
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    return error or None
+
+
+class Grammars:
+    """The tokenizer-bound side: compiled matchers per schema and the batched masks."""
+
+    def __init__(self, hf_tokenizer, eos_token_ids: list[int], vocab_size: int) -> None:
+        self._hf = hf_tokenizer
+        self._eos = sorted(eos_token_ids)
+        self.vocab_size = vocab_size
+        self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use (~1 s)
+        self._executor: llguidance.LLExecutor | None = None
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self.num_compiled = 0
+
+    def matcher(self, schema: str) -> llguidance.LLMatcher:
+        """A fresh matcher for ``schema``; ``ValueError`` if the schema is invalid."""
+        compiled = self._compiled.get(schema)
+        if compiled is None:
+            compiled = self._compile(schema)
+            self._compiled[schema] = compiled
+            if len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(schema)
+        return compiled.deep_copy()
+
+    def _compile(self, schema: str) -> llguidance.LLMatcher:
+        error = schema_error(schema)
+        if error:
+            raise ValueError(f"response_format: invalid JSON schema: {error}")
+        if self._tokenizer is None:
+            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
+                                                           eos_token=self._eos)
+            self._executor = llguidance.LLExecutor()
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            schema, defaults={"whitespace_flexible": False})
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"response_format: invalid JSON schema: {matcher.get_error()}")
+        self.num_compiled += 1
+        return matcher
+
+    def mask_(self, logits: torch.Tensor, rows: list[int],
+              matchers: list[llguidance.LLMatcher]) -> None:
+        """Set to -inf every token the grammar forbids, in the given rows of ``logits``."""
+        bitmask = llguidance.torch.allocate_token_bitmask(len(rows), self.vocab_size)
+        llguidance.torch.fill_next_token_bitmask_par(
+            self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        bits = torch.arange(32, dtype=torch.int32)
+        allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).flatten(1)[:, :logits.shape[1]].bool()
+        dead_ends = (~allowed.any(1)).nonzero()  # a matcher in error allows nothing: end it
+        allowed[dead_ends, torch.tensor(self._eos)] = True
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits[index].masked_fill(~allowed.to(logits.device),
+                                                  float("-inf"))
+
+    @staticmethod
+    def advance(matchers: list[llguidance.LLMatcher], tokens: list[int]) -> None:
+        for matcher, token in zip(matchers, tokens):
+            matcher.consume_token(token)
