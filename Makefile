@@ -1,5 +1,5 @@
 # The two commands: `make run` serves the embedded model (OpenAI-compatible API); `make test` runs the tests.
-.PHONY: setup run test test-quick
+.PHONY: setup run test test-quick dashboard-png
 
 setup:
 	@./scripts/setup.sh
@@ -13,3 +13,8 @@ test: setup
 
 test-quick: setup
 	.venv/bin/python -m pytest -q -m "not slow"
+
+# Regenerate docs/dashboard.png (tests never write into the checkout).
+dashboard-png: setup
+	SLIMKV_DASHBOARD_PNG=$(CURDIR)/docs/dashboard.png .venv/bin/python -m pytest -q \
+		tests/test_dashboard.py -k real_browser

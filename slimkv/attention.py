@@ -193,13 +193,14 @@ class PagedAttention:
         plan, bs = meta.decode, self.cache.block_size
         if plan is not None:
             self.staging.append_decodes(layer, plan.staging_slots, plan.seq_lens - 1,
-                                        plan.last_block_id, k[plan.rows], v[plan.rows])
+                                        plan.last_block_id, k[plan.rows], v[plan.rows],
+                                        plan.filled)
         meta.staged = {}
         for i, q_len in enumerate(meta.query_lens):
             if q_len > 1:
                 start = meta.seq_lens[i] - q_len
                 rows = slice(meta.query_start_loc[i], meta.query_start_loc[i] + q_len)
-                meta.staged[i] = self.staging.append(layer, int(meta.staging_slots[i]), start,
+                meta.staged[i] = self.staging.append(layer, meta.staging_slot_ids[i], start,
                                                      meta.block_tables[i, start // bs:],
                                                      k[rows], v[rows])
 

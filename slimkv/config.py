@@ -17,17 +17,23 @@ from typing import Any
 import yaml
 
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_DTYPES = (
-    "auto", "float32", "float16", "bfloat16",
-    "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "int4",
-)
+# model.weights: auto = the file's 4/8-bit class where the CPU kernel runs and model.dtype is
+# auto; a pinned model.dtype (the tests pin float32) keeps unquantized weights in it.
+WEIGHT_CLASSES = ("auto", "float32", "bfloat16", "int8", "int4")
+KV_DTYPES = ("auto", "float32", "float16", "bfloat16",
+             "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "int4")
 # kv_cache.layer_dtypes names concrete formats only.
 LAYER_KV_DTYPES = tuple(d for d in KV_DTYPES if d != "auto")
-# Scale layouts (float KV dtypes have no scales and ignore them; see slimkv/kv/cache.py).
+# Key scale layouts (float dtypes ignore them); values are always scaled per token-head
+# (int4: per group of 32). See slimkv/kv/layers.py.
 K_SCALES = ("per_token", "per_channel_block")
-V_SCALES = ("per_token", "group32")
 # Chosen by the eval harness: see README, "KV scale layouts".
 DEFAULT_K_SCALE = "per_channel_block"
+# Keys that were removed, with what to do instead: an old config fails naming them.
+REMOVED_KEYS = {
+    "kv_cache.v_scale": "values are always scaled per token-head (int4: per group of 32); "
+                        "the key never changed anything, delete it",
+}
 EVICT_POLICIES = ("lru_block", "fifo")
 SCHEDULER_POLICIES = ("weighted", "fcfs")
 ROUTERS = ("slimkv", "pow2")  # cluster.router: ours, or Ray Serve's power of two choices
@@ -43,8 +49,27 @@ def _check(ok: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}")
 
 
-def _check_choice(value: Any, choices: tuple[str, ...], key: str) -> None:
-    _check(value in choices, key, f"unknown value {value!r}; choose one of {', '.join(choices)}")
+def _check_choice(value: Any, choices: tuple[str, ...], key: str, *,
+                  optional: bool = False) -> None:
+    if not (optional and value is None):
+        _check(value in choices, key,
+               f"unknown value {value!r}; choose one of {', '.join(choices)}")
+
+
+def _check_int(value: Any, key: str, low: int = 1, *, optional: bool = False) -> None:
+    """An integer >= ``low`` (or None when ``optional``)."""
+    if not (optional and value is None):
+        _check(isinstance(value, int) and not isinstance(value, bool) and value >= low, key,
+               f"must be an integer >= {low}, got {value!r}")
+
+
+def _check_positive(value: Any, key: str, *, low: float = 0, inclusive: bool = False,
+                    optional: bool = False) -> None:
+    """A number > ``low`` (>= with ``inclusive``; None allowed when ``optional``)."""
+    if not (optional and value is None):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        _check(ok and (value >= low if inclusive else value > low), key,
+               f"must be a number {'>=' if inclusive else '>'} {low}, got {value!r}")
 
 
 def _check_fraction(value: float, key: str, *, allow_zero: bool = False) -> None:
@@ -58,18 +83,22 @@ class ModelConfig:
     """Which model to serve. ``path`` None means the embedded SmolLM2-135M-Instruct GGUF."""
 
     path: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
+    # float32 / bfloat16: unquantized (also the model dtype where model.dtype is auto).
+    weights: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
     name: str | None = None
 
     def __post_init__(self) -> None:
         _check_choice(self.dtype, MODEL_DTYPES, "model.dtype")
+        _check_choice(self.weights, WEIGHT_CLASSES, "model.weights")
+        _check(self.weights in ("auto", "int8", "int4") or self.dtype in ("auto", self.weights),
+               "model.weights", f"unquantized {self.weights} weights need model.dtype "
+               f"{self.weights} or auto, got {self.dtype}")
         _check(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
                "model.device", f"expected auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if self.max_model_len is not None:
-            _check(isinstance(self.max_model_len, int) and self.max_model_len > 0,
-                   "model.max_model_len", "must be a positive integer")
+        _check_int(self.max_model_len, "model.max_model_len", optional=True)
 
 
 @dataclass(slots=True)
@@ -80,7 +109,6 @@ class KVCacheConfig:
     k_dtype: str | None = None
     v_dtype: str | None = None
     k_scale: str = DEFAULT_K_SCALE
-    v_scale: str = "per_token"
     paged: bool = True
     block_size: int = 16
     memory_gb: float | None = 1.0
@@ -92,42 +120,30 @@ class KVCacheConfig:
     watermark_hysteresis: float = 0.05
     strict: bool = True
     layer_dtypes: dict[str, list[int]] | None = None
+    offload: dict[str, Any] | None = None  # the tier below the pool: kv/offload/config.py
+    session_ttl_s: float = 600.0
 
     def __post_init__(self) -> None:
         _check_choice(self.dtype, KV_DTYPES, "kv_cache.dtype")
         for key in ("k_dtype", "v_dtype"):
-            value = getattr(self, key)
-            if value is not None:
-                _check_choice(value, KV_DTYPES, f"kv_cache.{key}")
+            _check_choice(getattr(self, key), KV_DTYPES, f"kv_cache.{key}", optional=True)
         _check_choice(self.k_scale, K_SCALES, "kv_cache.k_scale")
-        _check_choice(self.v_scale, V_SCALES, "kv_cache.v_scale")
         _check(isinstance(self.paged, bool), "kv_cache.paged", "must be true or false")
         _check(isinstance(self.block_size, int) and 1 <= self.block_size <= 256
                and self.block_size & (self.block_size - 1) == 0,
                "kv_cache.block_size", f"must be a power of two in [1, 256], got {self.block_size!r}")
         _check(self.memory_gb is not None or self.num_blocks is not None,
                "kv_cache.memory_gb", "set memory_gb or num_blocks")
-        if self.num_blocks is not None:
-            _check(isinstance(self.num_blocks, int) and self.num_blocks > 0,
-                   "kv_cache.num_blocks", "must be a positive integer")
-        elif self.memory_gb is not None:
-            _check(isinstance(self.memory_gb, (int, float)) and self.memory_gb > 0,
-                   "kv_cache.memory_gb", "must be a positive number of GiB")
-        _check(isinstance(self.max_concurrency_soft, int) and self.max_concurrency_soft > 0,
-               "kv_cache.max_concurrency_soft", "must be a positive integer")
+        _check_int(self.num_blocks, "kv_cache.num_blocks", optional=True)
+        if self.num_blocks is None:
+            _check_positive(self.memory_gb, "kv_cache.memory_gb")
+        _check_int(self.max_concurrency_soft, "kv_cache.max_concurrency_soft")
         _check_choice(self.evict_policy, EVICT_POLICIES, "kv_cache.evict_policy")
         _check_fraction(self.watermark, "kv_cache.watermark")
         _check_fraction(self.watermark_hysteresis, "kv_cache.watermark_hysteresis", allow_zero=True)
         if self.layer_dtypes is not None:
             _check_layer_dtypes(self.layer_dtypes)
-
-    @property
-    def key_dtype(self) -> str:
-        return self.k_dtype or self.dtype
-
-    @property
-    def value_dtype(self) -> str:
-        return self.v_dtype or self.dtype
+        _check_positive(self.session_ttl_s, "kv_cache.session_ttl_s")
 
 
 def _check_layer_dtypes(value: Any) -> None:
@@ -163,18 +179,12 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _check_choice(self.policy, SCHEDULER_POLICIES, "scheduler.policy")
-        _check(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens > 0,
-               "scheduler.max_num_batched_tokens", "must be a positive integer")
-        _check(isinstance(self.long_request_blocks, int) and self.long_request_blocks > 0,
-               "scheduler.long_request_blocks", "must be a positive integer")
+        _check_int(self.max_num_batched_tokens, "scheduler.max_num_batched_tokens")
+        _check_int(self.long_request_blocks, "scheduler.long_request_blocks")
         _check_fraction(self.slow_lane_block_share, "scheduler.slow_lane_block_share")
         _check_fraction(self.slow_lane_token_share, "scheduler.slow_lane_token_share")
-        if self.max_queue is not None:
-            _check(isinstance(self.max_queue, int) and self.max_queue >= 0,
-                   "scheduler.max_queue", "must be a non-negative integer")
-        if self.queue_timeout_s is not None:
-            _check(isinstance(self.queue_timeout_s, (int, float)) and self.queue_timeout_s > 0,
-                   "scheduler.queue_timeout_s", "must be a positive number of seconds")
+        _check_int(self.max_queue, "scheduler.max_queue", 0, optional=True)
+        _check_positive(self.queue_timeout_s, "scheduler.queue_timeout_s", optional=True)
 
 
 @dataclass(slots=True)
@@ -190,10 +200,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         _check(isinstance(self.port, int) and 0 <= self.port < 65536,
                "server.port", f"must be a TCP port number, got {self.port!r}")
-        _check(isinstance(self.max_body_bytes, int) and self.max_body_bytes > 0,
-               "server.max_body_bytes", "must be a positive integer")
-        _check(isinstance(self.max_n, int) and self.max_n >= 1,
-               "server.max_n", "must be an integer >= 1")
+        _check_int(self.max_body_bytes, "server.max_body_bytes")
+        _check_int(self.max_n, "server.max_n")
 
 
 @dataclass(slots=True)
@@ -208,10 +216,8 @@ class CanaryConfig:
     def __post_init__(self) -> None:
         _check_fraction(self.fraction, "canary.fraction", allow_zero=True)
         _check_choice(self.reference_dtype, KV_DTYPES, "canary.reference_dtype")
-        _check(isinstance(self.memory_gb, (int, float)) and self.memory_gb > 0,
-               "canary.memory_gb", "must be a positive number of GiB")
-        _check(isinstance(self.max_pending, int) and self.max_pending > 0,
-               "canary.max_pending", "must be a positive integer")
+        _check_positive(self.memory_gb, "canary.memory_gb")
+        _check_int(self.max_pending, "canary.max_pending")
 
 
 @dataclass(slots=True)
@@ -235,31 +241,13 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         for key in ("replicas", "object_store_mb", "max_ongoing_requests", "routing_blocks"):
-            value = getattr(self, key)
-            _check(isinstance(value, int) and value > 0, f"cluster.{key}",
-                   f"must be a positive integer, got {value!r}")
-        if self.num_cpus is not None:
-            _check(isinstance(self.num_cpus, int) and self.num_cpus > 0, "cluster.num_cpus",
-                   "must be a positive integer")
-        _check(isinstance(self.replica_num_cpus, (int, float)) and self.replica_num_cpus >= 0,
-               "cluster.replica_num_cpus", "must be a non-negative number")
+            _check_int(getattr(self, key), f"cluster.{key}")
+        _check_int(self.num_cpus, "cluster.num_cpus", optional=True)
+        _check_positive(self.replica_num_cpus, "cluster.replica_num_cpus", low=0, inclusive=True)
         _check_choice(self.router, ROUTERS, "cluster.router")
-        _check(isinstance(self.balance_abs_requests, int) and self.balance_abs_requests >= 0,
-               "cluster.balance_abs_requests", "must be a non-negative integer")
-        _check(isinstance(self.balance_rel, (int, float)) and self.balance_rel >= 1,
-               "cluster.balance_rel", "must be a number >= 1")
-        _check(isinstance(self.stats_period_s, (int, float)) and self.stats_period_s > 0,
-               "cluster.stats_period_s", "must be a positive number of seconds")
-
-
-_SECTIONS: dict[str, type] = {
-    "model": ModelConfig,
-    "kv_cache": KVCacheConfig,
-    "scheduler": SchedulerConfig,
-    "server": ServerConfig,
-    "canary": CanaryConfig,
-    "cluster": ClusterConfig,
-}
+        _check_int(self.balance_abs_requests, "cluster.balance_abs_requests", 0)
+        _check_positive(self.balance_rel, "cluster.balance_rel", low=1, inclusive=True)
+        _check_positive(self.stats_period_s, "cluster.stats_period_s")
 
 
 @dataclass(slots=True)
@@ -307,8 +295,14 @@ class Config:
         return {name: dataclasses.asdict(getattr(self, name)) for name in _SECTIONS}
 
 
+# The YAML's sections: each field of Config, by name, and its dataclass.
+_SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+
+
 def _reject_unknown(values: dict[str, Any], known: Any, prefix: str) -> None:
     for key in values:
+        if f"{prefix}{key}" in REMOVED_KEYS:
+            raise ConfigError(f"{prefix}{key}: removed: {REMOVED_KEYS[f'{prefix}{key}']}")
         if key not in known:
             close = difflib.get_close_matches(str(key), list(known), n=1)
             hint = f" (did you mean {prefix}{close[0]}?)" if close else ""

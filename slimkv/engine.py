@@ -21,6 +21,7 @@ from slimkv.kv.contiguous import ContiguousKVManager
 from slimkv.kv.manager import KVCacheManager
 from slimkv.choices import Choices
 from slimkv.logprobs import SampledToken, token_logprobs
+from slimkv.kv.offload import attach_offload
 from slimkv.outputs import Detokenizer, RequestOutput
 from slimkv.runner import ModelRunner
 from slimkv.sampling import SamplingParams
@@ -42,11 +43,11 @@ class LLMEngine:
         kv = config.kv_cache
         self.pool = BlockPool(self.runner.cache.num_blocks,
                               kv.enable_prefix_caching and kv.paged, kv.evict_policy)
-        slots = self.runner.num_staging_slots
-        self.manager = (KVCacheManager(self.pool, kv.block_size, num_staging_slots=slots)
-                        if kv.paged else
-                        ContiguousKVManager(self.pool, kv.block_size, self.max_model_len,
-                                            num_staging_slots=slots))
+        opts = dict(session_ttl_s=kv.session_ttl_s,
+                    num_staging_slots=self.runner.num_staging_slots)
+        self.manager = (KVCacheManager(self.pool, kv.block_size, **opts) if kv.paged else
+                        ContiguousKVManager(self.pool, kv.block_size, self.max_model_len, **opts))
+        self.tier = attach_offload(self) if kv.offload is not None else None
         self.scheduler = Scheduler(kv, config.scheduler, self.manager)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Sequence] = {}  # every live sequence, by its own id
@@ -94,7 +95,7 @@ class LLMEngine:
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the "
                 f"request needs {total} ({len(ids)} in the prompt, {params.max_tokens} to generate)")
-        blocks = self.manager.blocks_for(total)
+        blocks = self.manager.max_blocks(total)
         if blocks > self.pool.num_blocks:
             raise RequestError(f"the request needs {blocks} KV blocks; the pool has "
                                f"{self.pool.num_blocks}")
@@ -137,7 +138,7 @@ class LLMEngine:
             preemptions=sched.num_preemptions, evictions=pool.num_evictions,
             false_ooms=getattr(manager, "num_false_oom", 0),
             attention_paths=dict(self.runner.attention.path_counts),
-            finished=dict(self.finished_reasons))
+            finished=dict(self.finished_reasons), offload=self.tier.stats() if self.tier else {})
 
     def block_map(self) -> list[BlockInfo]:
         """Every block of the pool, in id order, with its state and holders."""

@@ -47,6 +47,7 @@ class EngineStats:
     false_ooms: int                 # contiguous baseline: requests refused with room left
     attention_paths: Mapping[str, int] = field(default_factory=dict)  # layer calls per path
     finished: Mapping[str, int] = field(default_factory=dict)         # requests per reason
+    offload: Mapping[str, object] = field(default_factory=dict)  # TierStats (kv/offload) by tier
 
     @property
     def num_blocks_used(self) -> int:

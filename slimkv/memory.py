@@ -27,7 +27,10 @@ from torch.utils._pytree import tree_flatten
 
 from slimkv.attention import AttentionMetadata, PagedAttention
 from slimkv.kv.cache import PagedKVCache
+from slimkv.kv.layers import LayerDtypes, layer_dtype_names
+from slimkv.kv.staging import Staging
 from slimkv.model.llama import ModelArgs, Transformer
+from slimkv.stats import cdiv
 
 
 class LiveBytes(TorchDispatchMode):
@@ -70,37 +73,52 @@ def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def profile_batch(num_tokens: int, max_len: int, block_size: int,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+def profile_batch(num_tokens: int, max_len: int, block_size: int, device: torch.device,
+                  staged: bool) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Input ids, positions and metadata of prompts totalling ``num_tokens`` tokens, each at
-    most ``max_len`` long, on consecutive blocks from block 0."""
+    most ``max_len`` long, on consecutive blocks from block 0 (staging slot ``i`` for
+    prompt ``i`` when ``staged``)."""
     lens = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
-    blocks = [-(-n // block_size) for n in lens]
+    blocks = [cdiv(n, block_size) for n in lens]
     first = [sum(blocks[:i]) for i in range(len(lens))]
     tables = [list(range(f, f + b)) for f, b in zip(first, blocks)]
-    meta = AttentionMetadata.build(block_size, tables, lens, lens, device)
+    meta = AttentionMetadata.build(block_size, tables, lens, lens, device,
+                                   list(range(len(lens))) if staged else None)
     positions = torch.cat([torch.arange(n, device=device) for n in lens])
     return torch.zeros(num_tokens, dtype=torch.long, device=device), positions, meta
 
 
 def activation_peak(args: ModelArgs, dtype: torch.dtype, device: torch.device, *,
-                    k_dtype: str, v_dtype: str, block_size: int, num_tokens: int,
-                    num_logit_rows: int, max_len: int | None = None) -> int:
+                    k_dtype: str, v_dtype: str, k_scale: str, block_size: int, num_tokens: int,
+                    num_logit_rows: int, max_len: int | None = None,
+                    layer_dtypes: LayerDtypes | None = None) -> int:
     """Peak activation bytes of one step of ``num_tokens`` prompt tokens plus logits for
-    ``num_logit_rows`` rows, replayed under ``FakeTensorMode`` (nothing is computed)."""
+    ``num_logit_rows`` rows, replayed under ``FakeTensorMode`` (nothing is computed) on the
+    path the engine runs: the same KV codecs and, for per-block key scales, the staging
+    slots. One layer per distinct KV format is replayed (at least two layers). Single-token
+    queries (a ``max_len`` that does not divide the budget can leave one) take the gathered
+    SDPA decode: the native kernel cannot read fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     max_len = min(max_len or args.max_position_embeddings, args.max_position_embeddings)
+    names = layer_dtype_names(args.num_layers, k_dtype, v_dtype, layer_dtypes)
+    layers = sorted({names.index(pair) for pair in names} | set(range(min(args.num_layers, 2))))
+    staged = Staging.needed(k_dtype, v_dtype, args.head_dim, k_scale, layer_dtypes)
     with FakeTensorMode():
-        model = Transformer(dataclasses.replace(args, num_layers=min(args.num_layers, 2)), dtype,
-                            device)
-        ids, positions, meta = profile_batch(num_tokens, max_len, block_size, device)
-        cache = PagedKVCache(num_layers=len(model.layers), num_blocks=sum(-(-n // block_size) for n in meta.seq_lens),
+        model = Transformer(dataclasses.replace(args, num_layers=len(layers)), dtype, device)
+        ids, positions, meta = profile_batch(num_tokens, max_len, block_size, device, staged)
+        cache = PagedKVCache(num_layers=args.num_layers,
+                             num_blocks=sum(cdiv(n, block_size) for n in meta.seq_lens),
                              block_size=block_size, num_kv_heads=args.num_kv_heads,
-                             head_dim=args.head_dim, k_dtype=k_dtype, v_dtype=v_dtype, device=device)
-        attention = PagedAttention(cache, args.num_heads, args.head_dim ** -0.5, dtype)
+                             head_dim=args.head_dim, k_dtype=k_dtype, v_dtype=v_dtype,
+                             k_scale=k_scale, device=device, layer_dtypes=layer_dtypes)
+        staging = Staging(cache, len(meta.seq_lens), dtype) if staged else None
+        attention = PagedAttention(cache, args.num_heads, args.head_dim ** -0.5, dtype,
+                                   staging=staging)
+        attention.kernel_unavailable = "fake tensors"
         with LiveBytes() as tracker:
-            hidden = model(ids, positions, lambda layer, q, k, v: attention(layer, q, k, v, meta))
+            hidden = model(ids, positions,
+                           lambda i, q, k, v: attention(layers[i], q, k, v, meta))
             logits = model.compute_logits(hidden[:min(num_logit_rows, num_tokens)])
             del hidden, logits
     return tracker.peak

@@ -27,6 +27,7 @@ class AttentionMetadata:
     seq_lens_t: Tensor              # [B] int64, seq_lens on the device
     block_size: int
     staging_slots: Tensor | None = None  # [B] int64: staging slot per sequence (staged cache)
+    staging_slot_ids: list[int] | None = None  # the same on the host
     decode: DecodePlan | None = field(init=False)  # the single-token queries, for every layer
     # Per prefill (by sequence index), its K/V at full precision from the start of its first
     # block; written by each layer's cache write for that layer's attention (staged cache).
@@ -52,7 +53,8 @@ class AttentionMetadata:
 
         return cls(tensor(slots), starts, list(query_lens), list(seq_lens),
                    tensor([t + [0] * (width - len(t)) for t in tables]), tensor(seq_lens),
-                   block_size, None if staging_slots is None else tensor(staging_slots))
+                   block_size, None if staging_slots is None else tensor(staging_slots),
+                   None if staging_slots is None else list(staging_slots))
 
 
 @dataclass(slots=True)
@@ -67,6 +69,7 @@ class DecodePlan:
     staging_slots: Tensor | None    # [n]
     last_block: Tensor              # [n] index in the table of the block holding the new token
     last_block_id: Tensor           # [n] that block's id
+    filled: Tensor | None           # which of the n tokens fill their block (None: none do)
 
     @classmethod
     def build(cls, meta: AttentionMetadata) -> DecodePlan | None:
@@ -79,6 +82,9 @@ class DecodePlan:
         seq_lens = meta.seq_lens_t[index].contiguous()
         last = (seq_lens - 1) // meta.block_size
         slots = None if meta.staging_slots is None else meta.staging_slots[index].contiguous()
+        # Decided on the host, from the host's lengths: no device sync in any layer.
+        filled = [j for j, i in enumerate(seqs) if meta.seq_lens[i] % meta.block_size == 0]
         return cls(seqs, torch.tensor([meta.query_start_loc[i] for i in seqs], device=device),
                    tables, seq_lens, max(meta.seq_lens[i] for i in seqs), slots, last,
-                   tables.gather(1, last[:, None]).squeeze(1))
+                   tables.gather(1, last[:, None]).squeeze(1),
+                   torch.tensor(filled, device=device) if filled else None)

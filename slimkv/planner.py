@@ -22,11 +22,15 @@ from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
 from slimkv.memory import activation_peak, weight_bytes
 from slimkv.model.llama import ModelArgs, Transformer
+from slimkv.stats import cdiv
 
 MODELS_DIR = Path(__file__).parent / "data" / "models"
 PLAN_KV_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 WEIGHT_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16",
-                 "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
+                 "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+                 "int8": "int8", "int4": "int4"}
+# Quantized weight classes (slimkv.model.quant): codes plus float16 scale and min per 32.
+_WEIGHT_BITS = {"int8": 8, "int4": 4}
 # Architectures whose tensor shapes are the Llama decoder's (planning needs shapes only).
 _SAME_SHAPES = {"mistral": "llama"}
 _UNITS = {"": 2**30, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -79,12 +83,20 @@ def planning_args(cfg: dict[str, Any]) -> ModelArgs:
         raise ConfigError(f"model config: {exc}") from exc
 
 
-def model_weight_bytes(args: ModelArgs, dtype: torch.dtype) -> int:
-    """Bytes of the engine's ``Transformer`` for ``args`` (parameters and RoPE tables)."""
+def model_weight_bytes(args: ModelArgs, dtype: torch.dtype, bits: int | None = None) -> int:
+    """Bytes of the engine's ``Transformer`` for ``args`` (parameters and RoPE tables);
+    with ``bits``, its matrices (projections, embedding, LM head) in that quantized class."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
-        return weight_bytes(Transformer(args, dtype, torch.device("cpu")))
+        model = Transformer(args, dtype, torch.device("cpu"))
+        if bits is None:
+            return weight_bytes(model)
+        tensors = [*model.named_parameters(), *model.named_buffers()]
+        # RoPE tables are float32 in a quantized model (slimkv.model.lean).
+        return int(sum(t.numel() * (bits / 8 + 4 / 32) if t.dim() == 2 and name.endswith(".weight")
+                       else t.numel() * (4 if name.startswith("rope_") else t.element_size())
+                       for name, t in tensors))
 
 
 @dataclass(slots=True)
@@ -125,10 +137,11 @@ def plan(model: str, memory: int, *, context: int = 32768, sessions: int = 48,
         raise ValueError("--context and --sessions must be positive")
     name, cfg = load_hf_config(model)
     args = planning_args(cfg)
-    dtype = getattr(torch, WEIGHT_DTYPES[weight_dtype])
-    weights = model_weight_bytes(args, dtype)
+    bits = _WEIGHT_BITS.get(WEIGHT_DTYPES[weight_dtype])
+    dtype = torch.bfloat16 if bits else getattr(torch, WEIGHT_DTYPES[weight_dtype])
+    weights = model_weight_bytes(args, dtype, bits)
     reserve = max(activation_peak(args, dtype, torch.device("cpu"), k_dtype=kv, v_dtype=kv,
-                                  block_size=block_size, num_tokens=batch_tokens,
+                                  k_scale=k_scale, block_size=block_size, num_tokens=batch_tokens,
                                   num_logit_rows=sessions) for kv in kv_dtypes)
     budget = memory - weights - reserve
     if budget < 0:
@@ -147,12 +160,12 @@ def _row(args: ModelArgs, kv: str, budget: int, block_size: int, context: int,
     for scoring), as the engine does."""
     shape = dict(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
                  head_dim=args.head_dim, k_dtype=kv, v_dtype=kv, k_scale=k_scale)
-    staged = Staging.needed(kv, kv, args.head_dim, k_scale, None)
+    staged = Staging.needed(kv, kv, args.head_dim, k_scale)
     staging = Staging.bytes(args.num_layers, args.num_kv_heads, args.head_dim, block_size,
                             sessions + 1, dtype) if staged else 0
-    blocks = PagedKVCache.num_blocks_for_budget(budget, block_size, **shape, reserved_bytes=staging)
+    blocks = PagedKVCache.num_blocks_for_budget(budget, staging, **shape, block_size=block_size)
     return KVRow(kv, PagedKVCache.bytes_per_token(**shape, block_size=block_size), blocks,
-                 max_sessions=blocks // -(-context // block_size),
+                 max_sessions=blocks // cdiv(context, block_size),
                  context_at_sessions=blocks // sessions * block_size)
 
 

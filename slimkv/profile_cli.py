@@ -56,13 +56,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
     measured = run_workload(engine, args.sessions, args.context)
     share, advice = recommend(engine, measured, args.sessions, args.context)
     report = {"model": engine.model_name, "device": str(engine.runner.device),
+              "weights_class": engine.runner.weights_class,
               "kv_dtype": {"k": engine.runner.k_dtype, "v": engine.runner.v_dtype}, "sessions": args.sessions,
               "context": args.context, "bytes": measured, "kv_share": share, "recommendation": advice}
     if args.json:
         print_json(report)
         return 0
     m = measured
-    print(f"{engine.model_name} on {engine.runner.device}, KV {engine.runner.k_dtype}/{engine.runner.v_dtype} "
+    print(f"{engine.model_name} on {engine.runner.device}, weights {engine.runner.weights_class}, "
+          f"KV {engine.runner.k_dtype}/{engine.runner.v_dtype} "
           f"(K scales {engine.config.kv_cache.k_scale}), "
           f"{args.sessions} sessions x {args.context} tokens")
     for key in ("weights", "kv_allocated", "kv_in_use", "kv_staging", "activations",
@@ -91,7 +93,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     kv = config.kv_cache
-    dtypes = list(ALL_KV_DTYPES) if args.all else list(dict.fromkeys((kv.key_dtype, kv.value_dtype)))
+    configured = (kv.k_dtype or kv.dtype, kv.v_dtype or kv.dtype)
+    dtypes = list(ALL_KV_DTYPES) if args.all else list(dict.fromkeys(configured))
     results = verify(config, dtypes)
     print_json(results) if args.json else print(format_report(results))
     return 0 if all(r["ok"] for r in results) else 1
@@ -142,9 +145,11 @@ def recommend(engine: LLMEngine, m: dict[str, Any], sessions: int, context: int)
     runner = engine.runner
     total = m["weights"] + m["kv_in_use"] + m["activations"] + m["other"]
     share = m["kv_in_use"] / total
+    args = engine.model_args
     int8_per_token = PagedKVCache.bytes_per_token(
-        engine.model_args.num_layers, engine.model_args.num_kv_heads, engine.model_args.head_dim,
-        "int8", "int8", engine.config.kv_cache.k_scale, block_size=runner.cache.block_size)
+        num_layers=args.num_layers, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+        k_dtype="int8", v_dtype="int8", k_scale=engine.config.kv_cache.k_scale,
+        block_size=runner.cache.block_size)
     kv_saving = m["kv_in_use"] * max(0.0, 1 - int8_per_token / runner.bytes_per_token) / total
     weight_saving = m["weights"] * (1 - 1 / runner.dtype.itemsize) / total
     head = f"KV cache is {share:.0%} of memory in use at {sessions} sessions x {context} tokens"

@@ -13,6 +13,7 @@ import torch
 
 from slimkv.attention import AttentionMetadata, PagedAttention
 from slimkv.config import Config, ConfigError
+from slimkv.kernels.qgemm import qgemm_native, qgemm_unavailable_reason
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
 from slimkv.memory import activation_peak, weight_bytes
@@ -44,6 +45,32 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if native else torch.float32
 
 
+def resolve_weights(config_weights: str, config_dtype: str, device: torch.device) -> str:
+    """``model.weights`` as a class of :mod:`slimkv.model.weights`: ``auto`` keeps the
+    file's 4/8-bit blocks where the CPU kernel runs natively and the model dtype is not
+    pinned; quantized classes need the CPU kernel."""
+    if config_weights in ("int4", "int8"):
+        reason = (f"the device is {device}" if device.type != "cpu" else
+                  qgemm_unavailable_reason())
+        if reason:
+            raise ConfigError(f"model.weights={config_weights} needs the CPU weight kernel "
+                              f"(slimkv/kernels/qgemm.c): {reason}")
+        return config_weights
+    if config_weights == "auto" and config_dtype == "auto" and device.type == "cpu" \
+            and qgemm_native():
+        return "file"
+    return "float"
+
+
+def weights_class(model: torch.nn.Module) -> str:
+    """What the loaded weights are held in, e.g. ``int4 layers, int8 head`` or ``bfloat16``."""
+    head = getattr(model, "lm_head", None)
+    layer = model.layers[0].attention.wqkv
+    if not hasattr(layer, "bits"):
+        return str(layer.weight.dtype).removeprefix("torch.")
+    return f"int{layer.bits} layers, {f'int{head.bits}' if head else 'float'} head"
+
+
 def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
@@ -59,21 +86,26 @@ class ModelRunner:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.device = resolve_device(config.model.device)
-        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        weights, dtype = config.model.weights, config.model.dtype
+        self.dtype = resolve_dtype(weights if weights in ("float32", "bfloat16") and
+                                   dtype == "auto" else dtype, self.device)
+        self.weights = resolve_weights(weights, dtype, self.device)
         model_dtype = str(self.dtype).removeprefix("torch.")
         self.model_args, self.model, self.tokenizer = load_model(
-            config.model.path, self.dtype, self.device)
+            config.model.path, self.dtype, self.device, self.weights)
+        self.weights_class = weights_class(self.model)
         args, kv = self.model_args, config.kv_cache
         self.max_model_len = min(config.model.max_model_len or args.max_position_embeddings,
                                  args.max_position_embeddings)
-        self.k_dtype = model_dtype if kv.key_dtype == "auto" else kv.key_dtype
-        self.v_dtype = model_dtype if kv.value_dtype == "auto" else kv.value_dtype
+        k_dtype, v_dtype = kv.k_dtype or kv.dtype, kv.v_dtype or kv.dtype
+        self.k_dtype = model_dtype if k_dtype == "auto" else k_dtype
+        self.v_dtype = model_dtype if v_dtype == "auto" else v_dtype
         shape = dict(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
                      head_dim=args.head_dim, k_dtype=self.k_dtype, v_dtype=self.v_dtype,
-                     k_scale=kv.k_scale, v_scale=kv.v_scale, layer_dtypes=kv.layer_dtypes)
+                     k_scale=kv.k_scale, layer_dtypes=kv.layer_dtypes)
         self.bytes_per_token = PagedKVCache.bytes_per_token(**shape, block_size=kv.block_size)
         staged = Staging.needed(self.k_dtype, self.v_dtype, args.head_dim, kv.k_scale,
-                                kv.v_scale, kv.layer_dtypes)
+                                kv.layer_dtypes)
         # One staging slot per running sequence, plus one for score().
         self.num_staging_slots = kv.max_concurrency_soft + 1 if staged else 0
         self.cache = PagedKVCache(num_blocks=self._num_blocks(shape), block_size=kv.block_size,
@@ -88,8 +120,10 @@ class ModelRunner:
                 "(set kv_cache.strict: false to serve on the reference path anyway)")
         self.activation_bytes = activation_peak(
             args, self.dtype, self.device, k_dtype=self.k_dtype, v_dtype=self.v_dtype,
-            block_size=kv.block_size, num_tokens=config.scheduler.max_num_batched_tokens,
-            num_logit_rows=kv.max_concurrency_soft, max_len=self.max_model_len)
+            k_scale=kv.k_scale, block_size=kv.block_size,
+            num_tokens=config.scheduler.max_num_batched_tokens,
+            num_logit_rows=kv.max_concurrency_soft, max_len=self.max_model_len,
+            layer_dtypes=kv.layer_dtypes)
         self.grammars = Grammars(self.tokenizer.hf, list(self.tokenizer.eos_token_ids),
                                  args.vocab_size)
         self.sampler = Sampler(self.tokenizer.eos_token_ids, self.grammars)
@@ -101,8 +135,8 @@ class ModelRunner:
             return kv.num_blocks
         staging = Staging.bytes(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"],
                                 kv.block_size, self.num_staging_slots, self.dtype)
-        num_blocks = PagedKVCache.num_blocks_for_budget(
-            int(kv.memory_gb * GiB), kv.block_size, **shape, reserved_bytes=staging)
+        num_blocks = PagedKVCache.num_blocks_for_budget(int(kv.memory_gb * GiB), staging, **shape,
+                                                        block_size=kv.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache.memory_gb={kv.memory_gb} holds no {kv.block_size}-token block")
         return num_blocks

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from slimkv.config import KVCacheConfig, SchedulerConfig
 from slimkv.kv.manager import KVCacheManager
 from slimkv.sequence import Sequence, SequenceStatus
+from slimkv.stats import cdiv
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class Scheduler:
     def lane_of(self, seq: Sequence) -> str:
         if self.config.policy == "fcfs":
             return "fast"
-        blocks = -(-seq.max_total_tokens() // self.manager.block_size)
+        blocks = cdiv(seq.max_total_tokens(), self.manager.block_size)
         return "slow" if blocks > self.config.long_request_blocks else "fast"
 
     def add(self, seq: Sequence) -> None:
@@ -112,8 +113,7 @@ class Scheduler:
             seq = self._next_waiting(slow_budget)
             if seq is None:
                 return
-            computed = (self.manager.get_computed_blocks(seq)
-                        if seq.num_computed_tokens == 0 else [])
+            computed = self.manager.get_computed_blocks(seq)   # waiting: nothing computed
             remaining = seq.num_tokens - len(computed) * self.manager.block_size
             n = min(remaining, budget, slow_budget if seq.lane == "slow" else budget)
             if not self.manager.can_allocate(seq, n, computed):
@@ -148,7 +148,7 @@ class Scheduler:
         if not slow_running:
             return True
         bs = self.manager.block_size
-        weight = sum(-(-s.max_total_tokens() // bs) for s in slow_running + [seq])
+        weight = sum(cdiv(s.max_total_tokens(), bs) for s in slow_running + [seq])
         return weight <= self.config.slow_lane_block_share * self.manager.pool.num_blocks
 
     def _slow_token_budget(self, budget: int) -> int:

@@ -1,4 +1,5 @@
-"""Small statistics shared by the benchmarks, the load tester and the dashboard."""
+"""Small arithmetic shared by the core (:func:`cdiv`) and statistics shared by the
+benchmarks, the load tester and the dashboard."""
 
 from __future__ import annotations
 
@@ -14,3 +15,8 @@ def percentile(values: Iterable[float], q: float) -> float | None:
     rank = (len(ordered) - 1) * q / 100
     low, high = math.floor(rank), math.ceil(rank)
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division, e.g. the blocks of ``b`` tokens that hold ``a`` tokens."""
+    return -(-a // b)

@@ -19,6 +19,7 @@ from slimkv.attention import AttentionMetadata, PagedAttention, reference_paged_
 from slimkv.config import Config
 from slimkv.engine import LLMEngine
 from slimkv.kv.quant import make_codec
+from slimkv.stats import cdiv
 
 ALL_KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2", "int4")
 PREFILL_PATHS = ("fast_prefill",)
@@ -51,7 +52,7 @@ def verify_dtype(config: Config, kv_dtype: str, prompt_len: int = 40, new_tokens
     from slimkv.sampling import SamplingParams
     from slimkv.workload import random_prompt, run_until_done
 
-    blocks_per_prompt = -(-(prompt_len + new_tokens) // config.kv_cache.block_size)
+    blocks_per_prompt = cdiv(prompt_len + new_tokens, config.kv_cache.block_size)
     config = config.replace("kv_cache", dtype=kv_dtype, k_dtype=None, v_dtype=None,
                             layer_dtypes=None, strict=False, num_blocks=2 * blocks_per_prompt + 2)
     engine = LLMEngine(config)

@@ -48,7 +48,8 @@ def _sequences(lengths: list[int], seed: int = 0) -> list[Sequence]:
 def _cache(dtype: str = "float32", v_dtype: str | None = None) -> PagedKVCache:
     cache = PagedKVCache(num_layers=2, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
                          num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, k_dtype=dtype,
-                         v_dtype=v_dtype or dtype, device=torch.device("cpu"))
+                         v_dtype=v_dtype or dtype, k_scale="per_token",
+                         device=torch.device("cpu"))
     junk = torch.full((BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), 1e3)  # must never be attended
     cache.write(LAYER, torch.arange(BLOCK_SIZE), junk, junk)
     return cache
@@ -112,6 +113,7 @@ def test_fast_and_reference_equal_dense_attention() -> None:
     torch.testing.assert_close(reference, expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.usefixtures("fused_kernel")
 def test_path_counts() -> None:
     _, fast = _run(MIXED_BATCH, fast=True)
     assert fast.path_counts == {"fused_decode": 1, "fast_prefill": 1}

@@ -54,6 +54,7 @@ def test_missing_peers_are_not_measured_rather_than_faked(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("fused_kernel")
 def test_workloads_run_on_the_engine_and_leave_the_pool_free() -> None:
     engine = engine_for(small_config(), "int8", max_seqs=4, max_tokens=80)
     total = engine.pool.num_free_blocks

@@ -73,3 +73,35 @@ def test_replace_revalidates():
     assert cfg.kv_cache.dtype == "fp8"
     with pytest.raises(ConfigError):
         Config().replace("kv_cache", dtype="bogus")
+
+
+def test_default_yaml_only_repeats_the_dataclass_defaults():
+    """configs/default.yaml documents the defaults; config.py is their one source."""
+    import yaml
+
+    from slimkv.config import DEFAULT_CONFIG_PATH
+
+    written = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
+    defaults = Config()
+    differ = [f"{section}.{key}: {value!r} != {getattr(getattr(defaults, section), key)!r}"
+              for section, values in written.items() for key, value in values.items()
+              if getattr(getattr(defaults, section), key) != value]
+    assert not differ, differ
+    assert Config.load().to_dict() == defaults.to_dict()
+
+
+def test_removed_v_scale_is_rejected_by_name(tmp_path):
+    with pytest.raises(ConfigError, match=r"kv_cache\.v_scale: removed: values are always scaled"):
+        Config.load(write(tmp_path, "kv_cache:\n  v_scale: group32\n"))
+
+
+def test_session_ttl_is_a_config_key(tmp_path):
+    assert Config.load(write(tmp_path, "kv_cache:\n  session_ttl_s: 30\n")).kv_cache.session_ttl_s == 30
+    with pytest.raises(ConfigError, match=r"kv_cache\.session_ttl_s"):
+        Config.load(write(tmp_path, "kv_cache:\n  session_ttl_s: 0\n"))
+
+
+def test_cdiv():
+    from slimkv.stats import cdiv
+
+    assert [cdiv(n, 16) for n in (0, 1, 15, 16, 17, 32, 33)] == [0, 1, 1, 1, 2, 2, 3]

@@ -3,6 +3,7 @@ in a real headless Chromium (Debian ``chromium`` + ``chromium-driver``, driven b
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import threading
@@ -19,7 +20,9 @@ from conftest import API_KEY, LiveServer, live_server, small_config
 
 pytestmark = pytest.mark.slow
 
-SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "dashboard.png"
+ROOT = Path(__file__).resolve().parent.parent
+# `make dashboard-png` sets it to docs/dashboard.png; a plain test run writes to a temp dir.
+SCREENSHOT_ENV = "SLIMKV_DASHBOARD_PNG"
 TOPICS = ["a lighthouse keeper", "the first train to the coast", "a city under snow",
           "two rival bakers", "a robot learning to paint", "the last day of summer"]
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -155,7 +158,20 @@ def small_pool_server() -> Iterator[LiveServer]:
         yield live
 
 
-def test_dashboard_in_a_real_browser_shows_the_pool_under_load(small_pool_server):
+def screenshot_path(tmp_dir: Path) -> Path:
+    """Where the browser test saves its screenshot: ``$SLIMKV_DASHBOARD_PNG`` when set
+    (regenerating the doc image is an explicit command), else ``tmp_dir``."""
+    return Path(os.environ.get(SCREENSHOT_ENV) or tmp_dir / "dashboard.png")
+
+
+def test_a_test_run_leaves_the_doc_screenshot_alone(monkeypatch, tmp_path):
+    monkeypatch.delenv(SCREENSHOT_ENV, raising=False)
+    assert screenshot_path(tmp_path).parent == tmp_path
+    monkeypatch.setenv(SCREENSHOT_ENV, str(ROOT / "docs" / "dashboard.png"))
+    assert screenshot_path(tmp_path) == ROOT / "docs" / "dashboard.png"
+
+
+def test_dashboard_in_a_real_browser_shows_the_pool_under_load(small_pool_server, tmp_path):
     server = small_pool_server
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
@@ -187,8 +203,9 @@ def test_dashboard_in_a_real_browser_shows_the_pool_under_load(small_pool_server
 
                 assert "cmpl-" in wait_until(hover_in_use, 20, "an in-use cell's tooltip")
                 assert "live" in browser.find_element(By.ID, "status").text
-                SCREENSHOT.parent.mkdir(exist_ok=True)
-                assert browser.save_screenshot(str(SCREENSHOT))
+                screenshot = screenshot_path(tmp_path)
+                screenshot.parent.mkdir(parents=True, exist_ok=True)
+                assert browser.save_screenshot(str(screenshot))
         finally:
             browser.quit()
 

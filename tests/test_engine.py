@@ -25,7 +25,8 @@ PROMPTS = [
 
 
 def make_llm(scheduler=None, model=None, **kv) -> LLM:
-    config = Config().replace("kv_cache", **{"dtype": "float32", **kv})
+    config = Config().replace("kv_cache", **{"dtype": "float32", **kv}).replace(
+        "model", dtype="float32")
     if scheduler:
         config = config.replace("scheduler", **scheduler)
     if model:

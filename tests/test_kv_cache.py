@@ -7,7 +7,7 @@ import torch
 
 from slimkv.kv.cache import PagedKVCache
 
-SMOLLM2 = dict(num_layers=30, num_kv_heads=3, head_dim=64)
+SMOLLM2 = dict(num_layers=30, num_kv_heads=3, head_dim=64, k_scale="per_token", block_size=16)
 QUANTIZED = ["int8", "fp8", "fp8_e4m3", "fp8_e5m2", "int4"]
 
 
@@ -15,7 +15,7 @@ def _cache(k_dtype: str, v_dtype: str | None = None, *, num_blocks: int = 6,
            block_size: int = 4) -> PagedKVCache:
     return PagedKVCache(num_layers=2, num_blocks=num_blocks, block_size=block_size,
                         num_kv_heads=2, head_dim=64, k_dtype=k_dtype,
-                        v_dtype=v_dtype or k_dtype, device=torch.device("cpu"))
+                        v_dtype=v_dtype or k_dtype, k_scale="per_token", device=torch.device("cpu"))
 
 
 @pytest.mark.parametrize("dtype, expected", [
@@ -40,7 +40,8 @@ def test_allocated_bytes_match_arithmetic(k_dtype: str, v_dtype: str) -> None:
     cache = _cache(k_dtype, v_dtype)
     assert cache.nbytes == cache.num_blocks * cache.bytes_per_block
     assert cache.bytes_per_block == cache.block_size * PagedKVCache.bytes_per_token(
-        2, 2, 64, k_dtype, v_dtype)
+        num_layers=2, num_kv_heads=2, head_dim=64, k_dtype=k_dtype, v_dtype=v_dtype,
+        k_scale="per_token", block_size=cache.block_size)
 
 
 def test_int4_data_is_half_of_int8() -> None:
@@ -53,10 +54,10 @@ def test_int4_data_is_half_of_int8() -> None:
 
 def test_num_blocks_for_budget() -> None:
     per_block = 16 * 11_880
-    args = dict(**SMOLLM2, k_dtype="int8", v_dtype="int8")
-    assert PagedKVCache.num_blocks_for_budget(10 * per_block, 16, **args) == 10
-    assert PagedKVCache.num_blocks_for_budget(10 * per_block - 1, 16, **args) == 9
-    assert PagedKVCache.num_blocks_for_budget(2**30, 16, **args) == 2**30 // per_block
+    args = {**SMOLLM2, "k_dtype": "int8", "v_dtype": "int8"}
+    assert PagedKVCache.num_blocks_for_budget(10 * per_block, **args) == 10
+    assert PagedKVCache.num_blocks_for_budget(10 * per_block - 1, **args) == 9
+    assert PagedKVCache.num_blocks_for_budget(2**30, **args) == 2**30 // per_block
 
 
 def _write_random(cache: PagedKVCache, layer: int, slots: list[int], seed: int = 0

@@ -15,13 +15,14 @@ from slimkv.llm import LLM
 from slimkv.sampling import SamplingParams
 
 SMOLLM2 = dict(num_layers=30, num_kv_heads=3, head_dim=64)
+SHAPE = dict(**SMOLLM2, block_size=16)
 MIX = {"int8": [0, 1, 29], "float32": [7]}
 BLOCK = 16
 
 
-def _per_layer_token_bytes(dtype: str, k_scale: str, v_scale: str | None) -> int:
+def _per_layer_token_bytes(dtype: str, k_scale: str) -> int:
     """One layer's bytes per token (all KV heads, K and V), from the codecs alone."""
-    codecs = (side_codec(dtype, 64, k_scale), side_codec(dtype, 64, v_scale))
+    codecs = (side_codec(dtype, 64, k_scale), side_codec(dtype, 64, "per_token"))
     per_block = sum(c.bytes_per_block_head(BLOCK) for c in codecs) * SMOLLM2["num_kv_heads"]
     assert per_block % BLOCK == 0
     return per_block // BLOCK
@@ -29,19 +30,19 @@ def _per_layer_token_bytes(dtype: str, k_scale: str, v_scale: str | None) -> int
 
 @pytest.mark.parametrize("k_scale", ["per_token", "per_channel_block"])
 def test_bytes_per_token_is_sum_over_layers(k_scale: str) -> None:
-    layer = {d: _per_layer_token_bytes(d, k_scale, None) for d in ("int4", "int8", "float32")}
+    layer = {d: _per_layer_token_bytes(d, k_scale) for d in ("int4", "int8", "float32")}
     expected = 3 * layer["int8"] + layer["float32"] + 26 * layer["int4"]
-    got = PagedKVCache.bytes_per_token(**SMOLLM2, k_dtype="int4", v_dtype="int4", k_scale=k_scale,
+    got = PagedKVCache.bytes_per_token(**SHAPE, k_dtype="int4", v_dtype="int4", k_scale=k_scale,
                                        layer_dtypes=MIX)
     assert got == expected
-    assert PagedKVCache.block_bytes(**SMOLLM2, k_dtype="int4", v_dtype="int4", k_scale=k_scale,
+    assert PagedKVCache.block_bytes(**SHAPE, k_dtype="int4", v_dtype="int4", k_scale=k_scale,
                                     layer_dtypes=MIX) == BLOCK * expected
 
 
 def test_budget_uses_mixed_block_bytes() -> None:
-    shape = dict(**SMOLLM2, k_dtype="int4", v_dtype="int4", layer_dtypes=MIX)
-    per_block = PagedKVCache.block_bytes(**shape)
-    assert PagedKVCache.num_blocks_for_budget(10 * per_block - 1, BLOCK, **shape) == 9
+    shape = dict(**SMOLLM2, k_dtype="int4", v_dtype="int4", k_scale="per_token", layer_dtypes=MIX)
+    per_block = PagedKVCache.block_bytes(**shape, block_size=BLOCK)
+    assert PagedKVCache.num_blocks_for_budget(10 * per_block - 1, **shape, block_size=BLOCK) == 9
 
 
 def _mixed_cache(k_scale: str = "per_token") -> PagedKVCache:
@@ -80,8 +81,8 @@ def test_staged_when_any_layer_has_block_scales() -> None:
                          k_dtype="float32", v_dtype="float32", device=torch.device("cpu"),
                          k_scale="per_channel_block", layer_dtypes={"int4": [1]})
     assert cache.block_scaled
-    assert Staging.needed("float32", "float32", 64, "per_channel_block", None, {"int4": [1]})
-    assert not Staging.needed("float32", "float32", 64, "per_channel_block", None)
+    assert Staging.needed("float32", "float32", 64, "per_channel_block", {"int4": [1]})
+    assert not Staging.needed("float32", "float32", 64, "per_channel_block")
 
 
 @pytest.mark.parametrize("value, message", [
@@ -106,8 +107,8 @@ def test_config_accepts_yaml_map(tmp_path) -> None:
 
 def test_layer_out_of_range() -> None:
     with pytest.raises(ConfigError, match="layer 30, but the model has 30 layers"):
-        PagedKVCache.bytes_per_token(**SMOLLM2, k_dtype="int4", v_dtype="int4",
-                                     layer_dtypes={"int8": [30]})
+        PagedKVCache.bytes_per_token(**SHAPE, k_dtype="int4", v_dtype="int4",
+                                     k_scale="per_token", layer_dtypes={"int8": [30]})
 
 
 @pytest.mark.slow
@@ -117,7 +118,7 @@ def test_engine_with_a_mix_generates() -> None:
     llm = LLM(config)
     engine = llm.engine
     assert engine.runner.bytes_per_token == PagedKVCache.bytes_per_token(
-        **SMOLLM2, k_dtype="int4", v_dtype="int4", k_scale=config.kv_cache.k_scale,
+        **SHAPE, k_dtype="int4", v_dtype="int4", k_scale=config.kv_cache.k_scale,
         layer_dtypes=config.kv_cache.layer_dtypes)
     assert engine.runner.cache.nbytes == 64 * engine.runner.cache.bytes_per_block
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)

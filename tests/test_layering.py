@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "slimkv"
 # The serving core, bottom-up; a module may import its own layer and the layers below.
 CORE_LAYERS = [
     ["slimkv.config", "slimkv.stats", "slimkv.engine_stats"],
+    ["slimkv.kernels.build", "slimkv.kernels.qgemm"],
     ["slimkv.model", "slimkv.sampling_params", "slimkv.sampling", "slimkv.logits_process",
      "slimkv.structured", "slimkv.logprobs", "slimkv.choices", "slimkv.kv.quant",
      "slimkv.kv.block_scales", "slimkv.kv.layers", "slimkv.kv.block_pool", "slimkv.sequence",
@@ -31,7 +32,8 @@ CORE_LAYERS = [
 ]
 # Modules that plan, bench, serve or verify: above the core.
 TOOLS = ("slimkv.server", "slimkv.cluster", "slimkv.bench", "slimkv.eval", "slimkv.loadtest",
-         "slimkv.cli", "slimkv.profile_cli", "slimkv.verify", "slimkv.planner")
+         "slimkv.cli", "slimkv.profile_cli", "slimkv.verify", "slimkv.planner",
+         "slimkv.simulate")
 # The block bookkeeping a simulator drives without a model: it must not need torch.
 TORCH_FREE = ("slimkv.scheduler", "slimkv.kv.manager", "slimkv.kv.block_pool",
               "slimkv.kv.contiguous", "slimkv.sequence", "slimkv.config")
@@ -129,3 +131,10 @@ def test_the_server_reads_engine_stats_not_engine_internals() -> None:
              if isinstance(node, ast.Attribute) and node.attr in internals
              and not (isinstance(node.value, ast.Attribute) and node.value.attr == "config")]
     assert not reads, reads
+
+
+def test_nothing_imports_the_simulator_but_its_cli():
+    users = sorted(name for name, deps in GRAPH.items()
+                   if any(d.startswith("slimkv.simulate") for d in deps)
+                   and not name.startswith("slimkv.simulate") and name != "slimkv.bench.simulate_cli")
+    assert not users, users

@@ -84,14 +84,33 @@ def test_parse_bytes() -> None:
 def test_plan_matches_the_engine_for_smollm2() -> None:
     from slimkv.engine import LLMEngine
 
-    config = Config.from_dict({"kv_cache": {"memory_gb": 0.125}})
+    # Unquantized weights (a pinned model dtype); the quantized classes: the test below.
+    config = Config.from_dict({"kv_cache": {"memory_gb": 0.125}, "model": {"dtype": "float32"}})
     engine = LLMEngine(config)
     split = engine.memory_split()
     p = plan("smollm2-135m", split["weights"] + split["activations"] + int(0.125 * GiB),
-             weight_dtype=config.model.dtype, kv_dtypes=(engine.runner.k_dtype,),
+             weight_dtype=str(engine.runner.dtype).removeprefix("torch."), kv_dtypes=(engine.runner.k_dtype,),
              sessions=config.kv_cache.max_concurrency_soft,
              batch_tokens=config.scheduler.max_num_batched_tokens)
     assert p.weights == split["weights"]
     assert p.activation_reserve == split["activations"]
     assert abs(p.rows[0].num_blocks - engine.pool.num_blocks) <= 1
     assert p.rows[0].bytes_per_token == engine.runner.bytes_per_token
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_plan_counts_quantized_weights_as_the_engine_holds_them(weights: str) -> None:
+    from slimkv.engine import LLMEngine
+    from slimkv.kernels.qgemm import qgemm_kernel
+
+    if qgemm_kernel() is None:
+        pytest.skip("no weight kernel (no C compiler)")
+    engine = LLMEngine(Config.from_dict({"kv_cache": {"memory_gb": 0.125},
+                                         "model": {"weights": weights}}))
+    held = engine.memory_split()["weights"]
+    planned = plan("smollm2-135m", 4 * GiB, weight_dtype=weights, kv_dtypes=("int8",)).weights
+    # equal up to the norm weights' dtype (bf16 in the plan, the engine's model dtype)
+    assert abs(planned - held) <= 0.001 * held
+    bf16 = plan("smollm2-135m", 4 * GiB, weight_dtype="bf16", kv_dtypes=("int8",)).weights
+    bytes_per_weight = {"int4": 0.5, "int8": 1.0}[weights] + 4 / 32   # codes + d, m per 32
+    assert planned < bf16 * bytes_per_weight / 2 * 1.05   # matrices dominate; rope/norms small

@@ -11,7 +11,7 @@ from slimkv.config import Config
 from slimkv.eval.sensitivity import KVShape, Score, propose, rank
 
 SMOLLM2 = KVShape(num_layers=30, num_kv_heads=3, head_dim=64, k_scale="per_channel_block",
-                  v_scale="per_token", block_size=16)
+                  block_size=16)
 
 
 def test_bits_per_value_include_scales() -> None:

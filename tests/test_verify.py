@@ -13,6 +13,7 @@ from slimkv.verify import ALL_KV_DTYPES, verify
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.usefixtures("fused_kernel")
 def test_verify_passes_for_every_dtype_on_cpu() -> None:
     results = verify(Config(), list(ALL_KV_DTYPES))
     for r in results:

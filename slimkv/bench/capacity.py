@@ -28,6 +28,7 @@ from slimkv.loadtest.report import summarize
 from slimkv.loadtest.runner import RunSpec, run_level
 from slimkv.loadtest.workloads import WorkloadSpec
 from slimkv.model.loader import read_model_args
+from slimkv.stats import cdiv
 
 GiB = 1024 ** 3
 DRAIN_TIMEOUT_S = 60.0
@@ -70,9 +71,10 @@ def budget_bytes(config: Config, spec: CapacitySpec, shape: dict[str, int]) -> i
     if spec.memory_gb is not None:
         return int(spec.memory_gb * GiB)
     kv = config.kv_cache
-    reserve_blocks = -(-spec.context // kv.block_size)
-    blocks = -(-spec.sessions * reserve_blocks * 1000 // round(kv.watermark * 1000))
-    per_token = PagedKVCache.bytes_per_token(**shape, k_dtype="bfloat16", v_dtype="bfloat16")
+    reserve_blocks = cdiv(spec.context, kv.block_size)
+    blocks = cdiv(spec.sessions * reserve_blocks * 1000, round(kv.watermark * 1000))
+    per_token = PagedKVCache.bytes_per_token(**shape, k_dtype="bfloat16", v_dtype="bfloat16",
+                                             k_scale=kv.k_scale, block_size=kv.block_size)
     return blocks * kv.block_size * per_token
 
 

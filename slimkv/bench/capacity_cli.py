@@ -35,6 +35,8 @@ def add_capacity_cli(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--report", default="bench/REPORT.md",
                    help="markdown report to write; its plots go to capacity/ beside it")
     p.add_argument("--from-json", help="only re-render the report from this saved JSON")
+    p.add_argument("--merge", help="PATH[=LABEL],...: merge single-variant runs of one budget "
+                   "into --out and render the report with the targets of issue 18")
     p.add_argument("--json", action="store_true", help="also print the JSON")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_bench_capacity)
@@ -51,7 +53,12 @@ def cmd_bench_capacity(args: argparse.Namespace) -> int:
     spec = CapacitySpec(args.context, args.doc_tokens, args.max_tokens, args.sessions,
                         args.concurrency, args.duration, args.memory_gb,
                         tuple(by_name[n] for n in args.variants.split(",")), args.seed)
-    if args.from_json:
+    if args.merge:
+        from slimkv.bench.capacity_targets import merge
+
+        result = merge(args.merge.split(","))
+        written = [_write_json(result, Path(args.out))]
+    elif args.from_json:
         result = json.loads(Path(args.from_json).read_text())
         written = []
     else:

@@ -191,6 +191,9 @@ def render(result: dict[str, Any], rows: list[dict[str, Any]], command: str) -> 
         summary_table(rows),
         "",
     ]
+    if result.get("parts"):
+        from slimkv.bench.capacity_targets import targets_section
+        parts += targets_section(result, rows)
     if int8 is not None and base["sessions"]:
         parts += [f"**Sessions, bf16 contiguous -> int8 paged: {base['sessions']} -> "
                   f"{int8['sessions']} (x{int8['sessions_x']:.2f}); KV in use at "
@@ -234,7 +237,8 @@ def render(result: dict[str, Any], rows: list[dict[str, Any]], command: str) -> 
     ]
     for v in result["variants"]:
         parts += [f"### {v['variant']}", "", level_table(v), ""]
-    parts += ["## Reproduce", "", "```", command, "```", ""]
+    commands = [p["command"] for p in result.get("parts", ()) if p.get("command")] or [command]
+    parts += ["## Reproduce", "", "```", *commands, "```", ""]
     return "\n".join(parts)
 
 

@@ -35,20 +35,20 @@ class KVShape:
     num_kv_heads: int
     head_dim: int
     k_scale: str
-    v_scale: str
     block_size: int
 
     @classmethod
     def of(cls, engine: LLMEngine) -> KVShape:
         args, kv = engine.model_args, engine.config.kv_cache
-        return cls(args.num_layers, args.num_kv_heads, args.head_dim, kv.k_scale, kv.v_scale,
+        return cls(args.num_layers, args.num_kv_heads, args.head_dim, kv.k_scale,
                    kv.block_size)
 
     def bits(self, dtype: str, layer_dtypes: dict[str, list[int]] | None = None) -> float:
         """Average stored bits per K or V element with ``dtype`` outside ``layer_dtypes``."""
         per_token = PagedKVCache.bytes_per_token(
-            self.num_layers, self.num_kv_heads, self.head_dim, dtype, dtype, self.k_scale,
-            self.v_scale, self.block_size, layer_dtypes)
+            num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            k_dtype=dtype, v_dtype=dtype, k_scale=self.k_scale, block_size=self.block_size,
+            layer_dtypes=layer_dtypes)
         return 8 * per_token / (2 * self.num_layers * self.num_kv_heads * self.head_dim)
 
 

@@ -2,9 +2,8 @@
 
 ``paged_decode.c`` attends single-token queries over quantized KV blocks without
 materialising a float copy of the cache (see its header). The shared library is built once
-per source/compiler/CPU into ``$SLIMKV_KERNEL_DIR`` (default ``~/.cache/slimkv/kernels``)
-with ``-march=native`` and OpenMP; the OpenMP runtime is the one torch already loaded, so
-the kernel shares torch's threads. Where no compiler is found, :func:`decode_kernel`
+per source/compiler/CPU by :mod:`slimkv.kernels.build` (``-march=native``, OpenMP shared
+with torch). Where no compiler is found, :func:`decode_kernel`
 returns None and says why (:func:`kernel_unavailable_reason`): the engine then decodes on
 the gather-then-SDPA path and reports it, never silently.
 """
@@ -12,26 +11,17 @@ the gather-then-SDPA path and reports it, never silently.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from slimkv.kernels import build
 from slimkv.kv.block_scales import ChannelBlockCodec, ChannelBlockInt4Codec
 from slimkv.kv.quant import Fp8Codec, FloatCodec, Int4Codec, Int8Codec, KVCodec, QuantizedKV
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
-KERNEL_DIR_ENV = "SLIMKV_KERNEL_DIR"
-# Reassociation lets dot products and sums vectorise as trees; no finite-math assumptions.
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-strict-aliasing",
-         "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-shared", "-fPIC",
-         "-std=gnu11")
 
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3,
          torch.float8_e4m3fn: 4, torch.float8_e5m2: 5}
@@ -107,33 +97,11 @@ class DecodeKernel:
         return out
 
 
-def _library_path(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    flags = next((line for line in cpu.splitlines() if line.startswith("flags")), "")
-    key = hashlib.sha256("\0".join((SOURCE.read_text(), " ".join(FLAGS), version, flags))
-                         .encode()).hexdigest()[:16]
-    root = Path(os.environ.get(KERNEL_DIR_ENV) or Path.home() / ".cache/slimkv/kernels")
-    return root / f"paged_decode-{key}.so"
-
-
 @cache
 def _build() -> DecodeKernel | str:
     """The loaded kernel, or why there is none."""
-    compiler = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
-    if compiler is None:
-        return "no C compiler ($CC, cc or gcc) found to build slimkv/kernels/paged_decode.c"
-    lib = _library_path(compiler)
-    if not lib.exists():
-        lib.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-            built = Path(tmp) / lib.name
-            result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
-                                    capture_output=True, text=True)
-            if result.returncode:
-                return f"building paged_decode.c failed: {result.stderr.strip()[-500:]}"
-            built.replace(lib)  # atomic: concurrent builders never load a partial file
-    return DecodeKernel(ctypes.CDLL(str(lib)))
+    lib = build.load(SOURCE)
+    return lib if isinstance(lib, str) else DecodeKernel(lib)
 
 
 def decode_kernel() -> DecodeKernel | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Hashable
 
 BlockHash = bytes  # 16-byte chained digest: the same in every process, run and replica
@@ -120,6 +120,7 @@ class BlockPool:
         self.evict_policy = evict_policy
         self.num_evictions = 0
         self._clock = 0
+        self.on_evict: Callable[[Block], None] = lambda block: None  # the offload write-back
 
     @property
     def num_blocks(self) -> int:
@@ -204,6 +205,7 @@ class BlockPool:
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
+            self.on_evict(block)  # still holding its hash and data
             del self.cached[block.block_hash]
             block.block_hash = None
             self.num_evictions += 1

@@ -65,16 +65,11 @@ class ChannelBlockInt4Codec(KVCodec):
         return {"scale": self.head_dim, "zero": self.head_dim}
 
     def quantize(self, x: Tensor) -> QuantizedKV:
-        x = x.float()
-        zero, scale = self.element.affine(x.amin(_TOKENS), x.amax(_TOKENS))
-        q = (x - zero.float().unsqueeze(_TOKENS)) / scale.float().unsqueeze(_TOKENS)
-        q = q.round().clamp(0, self.element.QMAX).to(torch.uint8)
-        return QuantizedKV(self.element.pack(q), {"scale": scale, "zero": zero})
+        q, aux = self.element.encode(x.float(), _TOKENS)
+        return QuantizedKV(self.element.pack(q), aux)
 
     def dequantize(self, q: QuantizedKV, dtype: torch.dtype) -> Tensor:
-        values = self.element.unpack(q.data).float()
-        scale, zero = (q.aux[name].float().unsqueeze(_TOKENS) for name in ("scale", "zero"))
-        return (values * scale + zero).to(dtype)
+        return self.element.decode(self.element.unpack(q.data), q.aux, _TOKENS).to(dtype)
 
 
 def per_channel_block(element: KVCodec) -> KVCodec:

@@ -16,12 +16,14 @@ blocks only (:meth:`PagedKVCache.write_blocks`), from the staging slots in front
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from slimkv.kv.layers import LayerDtypes, layer_codecs, side_codec
+from slimkv.kv.layers import LayerDtypes, layer_codecs, side_codec, side_codecs
 from slimkv.kv.quant import AUX_DTYPE, KVCodec, QuantizedKV
+from slimkv.stats import cdiv
 
 _SIDES = ("k", "v")
 
@@ -47,8 +49,7 @@ class PagedKVCache:
     """
 
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, k_dtype: str, v_dtype: str, device: torch.device,
-                 k_scale: str = "per_token", v_scale: str | None = None,
+                 head_dim: int, k_dtype: str, v_dtype: str, k_scale: str, device: torch.device,
                  layer_dtypes: LayerDtypes | None = None) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
@@ -56,13 +57,11 @@ class PagedKVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.device = torch.device(device)
-        self.scales = {"k": k_scale, "v": v_scale}
+        self.k_scale = k_scale
         self.layer_dtypes = layer_dtypes
-        self.codecs: dict[str, KVCodec] = {
-            "k": side_codec(k_dtype, head_dim, k_scale),
-            "v": side_codec(v_dtype, head_dim, v_scale)}
+        self.codecs = side_codecs(k_dtype, v_dtype, head_dim, k_scale)
         self.layer_codecs = layer_codecs(num_layers, head_dim, k_dtype, v_dtype, k_scale,
-                                         v_scale, layer_dtypes)
+                                         layer_dtypes)
         self._groups = self._group_layers()
         self._where = {layer: (group, i) for group in self._groups
                        for i, layer in enumerate(group.layers)}
@@ -96,44 +95,34 @@ class PagedKVCache:
 
     @staticmethod
     def block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, k_dtype: str,
-                    v_dtype: str, k_scale: str = "per_token", v_scale: str | None = None,
-                    block_size: int = 16, layer_dtypes: LayerDtypes | None = None) -> int:
+                    v_dtype: str, k_scale: str, block_size: int,
+                    layer_dtypes: LayerDtypes | None = None) -> int:
         """Exact bytes of one block across all layers, K and V, scales and zeros included:
         the sum of every layer's own figure."""
-        codecs = layer_codecs(num_layers, head_dim, k_dtype, v_dtype, k_scale, v_scale,
-                              layer_dtypes)
+        codecs = layer_codecs(num_layers, head_dim, k_dtype, v_dtype, k_scale, layer_dtypes)
         per_head = sum(codec.bytes_per_block_head(block_size)
                        for layer in codecs for codec in layer.values())
         return num_kv_heads * per_head
 
     @classmethod
-    def bytes_per_token(cls, num_layers: int, num_kv_heads: int, head_dim: int, k_dtype: str,
-                        v_dtype: str, k_scale: str = "per_token", v_scale: str | None = None,
-                        block_size: int = 16, layer_dtypes: LayerDtypes | None = None) -> float:
-        """Bytes one token occupies in the pool: :meth:`block_bytes` / ``block_size`` (an
-        integer whenever per-block scales divide evenly; staging is not per token, see
-        :meth:`slimkv.kv.staging.Staging.bytes`)."""
-        per_block = cls.block_bytes(num_layers, num_kv_heads, head_dim, k_dtype, v_dtype,
-                                    k_scale, v_scale, block_size, layer_dtypes)
+    def bytes_per_token(cls, **shape: Any) -> float:
+        """Bytes one token occupies in the pool: :meth:`block_bytes` (same arguments) /
+        ``block_size`` (an integer whenever per-block scales divide evenly; staging is not
+        per token, see :meth:`slimkv.kv.staging.Staging.bytes`)."""
+        per_block, block_size = cls.block_bytes(**shape), shape["block_size"]
         return per_block // block_size if per_block % block_size == 0 else per_block / block_size
 
     @classmethod
-    def num_blocks_for_budget(cls, budget_bytes: int, block_size: int, *, num_layers: int,
-                              num_kv_heads: int, head_dim: int, k_dtype: str, v_dtype: str,
-                              k_scale: str = "per_token", v_scale: str | None = None,
-                              reserved_bytes: int = 0,
-                              layer_dtypes: LayerDtypes | None = None) -> int:
-        """How many blocks fit in ``budget_bytes`` less ``reserved_bytes`` (staging), floor."""
-        per_block = cls.block_bytes(num_layers, num_kv_heads, head_dim, k_dtype, v_dtype,
-                                    k_scale, v_scale, block_size, layer_dtypes)
-        return max(0, budget_bytes - reserved_bytes) // per_block
+    def num_blocks_for_budget(cls, budget_bytes: int, reserved_bytes: int = 0, **shape: Any) -> int:
+        """How many blocks of :meth:`block_bytes` (same arguments) fit in ``budget_bytes``
+        less ``reserved_bytes`` (staging), floor."""
+        return max(0, budget_bytes - reserved_bytes) // cls.block_bytes(**shape)
 
     @property
     def bytes_per_block(self) -> int:
         return self.block_bytes(self.num_layers, self.num_kv_heads, self.head_dim,
-                                self.codecs["k"].name, self.codecs["v"].name,
-                                self.scales["k"], self.scales["v"], self.block_size,
-                                self.layer_dtypes)
+                                self.codecs["k"].name, self.codecs["v"].name, self.k_scale,
+                                self.block_size, self.layer_dtypes)
 
     @property
     def nbytes(self) -> int:
@@ -195,8 +184,7 @@ class PagedKVCache:
                     dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """:meth:`read` of just the first blocks of ``block_tables [B, m]`` that cover
         ``num_tokens`` tokens: ``[B, num_blocks * block_size, H, D]``."""
-        num_blocks = -(-num_tokens // self.block_size)
-        return self.read(layer, block_tables[:, :num_blocks], dtype)
+        return self.read(layer, block_tables[:, :cdiv(num_tokens, self.block_size)], dtype)
 
     def _read_side(self, side: str, layer: int, block_ids: Tensor, dtype: torch.dtype) -> Tensor:
         pool = self.layer_pool(side, layer)

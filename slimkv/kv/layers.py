@@ -17,15 +17,20 @@ from slimkv.kv.quant import FloatCodec, KVCodec, make_codec
 LayerDtypes = Mapping[str, Sequence[int]]
 
 
-def side_codec(name: str, head_dim: int, scale: str | None) -> KVCodec:
-    """The codec of ``name`` with a scale layout. ``per_token`` (or ``None``) computes scales
-    within each token-head vector: one for int8/fp8, one per group of 32 for int4, which is
-    what ``group32`` names (8-bit values keep one scale per token-head).
-    ``per_channel_block``: see :mod:`slimkv.kv.block_scales`. Float dtypes have no scales."""
+def side_codec(name: str, head_dim: int, scale: str) -> KVCodec:
+    """The codec of ``name`` with a scale layout. ``per_token`` computes scales within each
+    token-head vector: one for int8/fp8, one per group of 32 for int4 (values always use
+    it). ``per_channel_block`` (keys): see :mod:`slimkv.kv.block_scales`. Float dtypes have
+    no scales."""
     codec = make_codec(name, head_dim)
     if scale == "per_channel_block" and not isinstance(codec, FloatCodec):
         return per_channel_block(codec)
     return codec
+
+
+def side_codecs(k_dtype: str, v_dtype: str, head_dim: int, k_scale: str) -> dict[str, KVCodec]:
+    """``{"k": codec, "v": codec}``: keys with the ``k_scale`` layout, values per token."""
+    return {"k": side_codec(k_dtype, head_dim, k_scale), "v": make_codec(v_dtype, head_dim)}
 
 
 def layer_dtype_names(num_layers: int, k_dtype: str, v_dtype: str,
@@ -41,18 +46,18 @@ def layer_dtype_names(num_layers: int, k_dtype: str, v_dtype: str,
     return names
 
 
-def layer_codecs(num_layers: int, head_dim: int, k_dtype: str, v_dtype: str,
-                 k_scale: str | None = "per_token", v_scale: str | None = None,
+def layer_codecs(num_layers: int, head_dim: int, k_dtype: str, v_dtype: str, k_scale: str,
                  layer_dtypes: LayerDtypes | None = None) -> list[dict[str, KVCodec]]:
     """``{"k": codec, "v": codec}`` of every layer (layers with the same dtypes share the
-    codec objects)."""
+    codec objects); keys with the ``k_scale`` layout, values per token."""
     made: dict[tuple[str, str], dict[str, KVCodec]] = {}
     out = []
     for k, v in layer_dtype_names(num_layers, k_dtype, v_dtype, layer_dtypes):
-        codecs = {"k": side_codec(k, head_dim, k_scale), "v": side_codec(v, head_dim, v_scale)}
+        codecs = side_codecs(k, v, head_dim, k_scale)
         # Keyed by canonical names, so aliases (fp8, fp8_e4m3) share one pool too.
         out.append(made.setdefault((codecs["k"].name, codecs["v"].name), codecs))
     return out
+
 
 def dtype_pairs(k_dtype: str, v_dtype: str,
                 layer_dtypes: LayerDtypes | None) -> set[tuple[str, str]]:

@@ -8,6 +8,7 @@ from typing import Hashable
 
 from slimkv.kv.block_pool import Block, BlockHash, BlockPool, hash_block
 from slimkv.sequence import Sequence
+from slimkv.stats import cdiv
 
 
 @dataclass(slots=True)
@@ -26,7 +27,7 @@ class KVCacheManager:
     protected until every other free block is used.
     """
 
-    def __init__(self, pool: BlockPool, block_size: int, session_ttl_s: float = 600.0,
+    def __init__(self, pool: BlockPool, block_size: int, *, session_ttl_s: float,
                  num_staging_slots: int = 0) -> None:
         self.pool = pool
         self._num_staging_slots = num_staging_slots
@@ -35,11 +36,15 @@ class KVCacheManager:
         self.session_ttl_s = session_ttl_s
         self.sessions: dict[Hashable, _Session] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
+        self._num_offered: dict[str, int] = {}  # full blocks already offered to the index
+        self.clock = time.monotonic  # a simulator sets its own (session ages)
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hits = 0     # of those, tokens found
+        self.tier = None  # the offload tier below the pool (slimkv/kv/offload), set by it
 
     def get_computed_blocks(self, seq: Sequence) -> list[Block]:
-        """Longest run of cached full blocks at the start of the sequence's tokens.
+        """Longest run of cached full blocks at the start of the sequence's tokens, in the pool
+        or loaded from the offload tier (a lookup: :meth:`allocate` counts it once admitted).
 
         At least one token is always left to compute, since its logits are needed."""
         hashes = self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
@@ -49,29 +54,33 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.num_prefix_queries += seq.num_tokens
-        self.num_prefix_hits += len(hits) * self.block_size
+        hits += self.tier.extend(hashes, hits) if self.tier else []  # loaded from host or disk
         return hits
 
-    def blocks_for(self, num_tokens: int) -> int:
+    def max_blocks(self, num_tokens: int) -> int:
         """Blocks a request of ``num_tokens`` tokens holds at most."""
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int,
                           computed: list[Block] = ()) -> int:
         total = seq.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         held = len(seq.blocks) + len(computed)
-        return max(0, -(-total // self.block_size) - held)
+        return max(0, cdiv(total, self.block_size) - held)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, computed: list[Block] = ()) -> bool:
         free_hits = sum(1 for b in computed if b.ref_cnt == 0)
         need = self.num_blocks_needed(seq, num_new_tokens, computed)
         return need + free_hits <= self.pool.num_free_blocks
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, computed: list[Block] = ()) -> None:
+    def allocate(self, seq: Sequence, num_new_tokens: int,
+                 computed: list[Block] | None = None) -> None:
         """Give ``seq`` room for ``num_new_tokens`` more tokens (check ``can_allocate`` first)
-        and, on its first allocation, a staging slot."""
-        self._assign_staging_slot(seq)
+        and, on its first allocation, a staging slot. ``computed``: the prefix lookup of an
+        admission (:meth:`get_computed_blocks`), counted in the prefix-cache counters."""
+        self.assign_staging_slot(seq)
+        if computed is not None:
+            self.num_prefix_queries += seq.num_tokens
+            self.num_prefix_hits += len(computed) * self.block_size
         if computed:
             self.pool.touch(computed)
             seq.blocks.extend(computed)
@@ -81,12 +90,18 @@ class KVCacheManager:
         seq.blocks.extend(self.pool.get_new_blocks(need))
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Index the blocks whose tokens are all computed by their chained hash."""
+        """Index the blocks whose tokens are all computed by their chained hash; each block
+        is offered once per allocation (as vLLM's ``num_cached_block``), not every step."""
         num_full = seq.num_computed_tokens // self.block_size
-        for block, block_hash in zip(seq.blocks[:num_full], self._block_hashes(seq, num_full)):
-            self.pool.cache_block(block, block_hash)
+        start = self._num_offered.get(seq.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(seq, num_full)
+        for i in range(start, num_full):
+            self.pool.cache_block(seq.blocks[i], hashes[i])
+        self._num_offered[seq.request_id] = num_full
 
-    def _assign_staging_slot(self, seq: Sequence) -> None:
+    def assign_staging_slot(self, seq: Sequence) -> None:
         """A staging slot (:mod:`slimkv.kv.staging`) from the first allocation until
         :meth:`free`, when the manager has slots (the cache is staged). A recompute after
         preemption starts at a block boundary, so a new slot's stale contents are never read."""
@@ -104,12 +119,14 @@ class KVCacheManager:
             seq.staging_slot = None
         if seq.session_id is not None:
             self._remember_session(seq)
+        if self.tier: self.tier.on_free(self._hashes.get(seq.request_id, ()))  # noqa: E701
         self.pool.free_blocks(reversed(seq.blocks))
         seq.blocks = []
         self._hashes.pop(seq.request_id, None)
+        self._num_offered.pop(seq.request_id, None)
 
     def expire_sessions(self, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         for sid in [s for s, info in self.sessions.items()
                     if now - info.last_seen > self.session_ttl_s]:
             info = self.sessions.pop(sid)
@@ -117,7 +134,7 @@ class KVCacheManager:
 
     def _remember_session(self, seq: Sequence) -> None:
         info = self.sessions.setdefault(seq.session_id, _Session(seq.num_prompt_tokens, 0.0))
-        info.last_seen = time.monotonic()
+        info.last_seen = self.clock()
         num_full = min(info.head_tokens, seq.num_computed_tokens) // self.block_size
         info.head_blocks = [b for b in seq.blocks[:num_full] if b.block_hash is not None]
         self.pool.set_session_head(info.head_blocks, seq.session_id)

@@ -188,16 +188,24 @@ class Int4Codec(KVCodec):
 
     def quantize(self, x: Tensor) -> QuantizedKV:
         groups = x.float().unflatten(-1, (self.num_groups, self.group_size))
-        zero, scale = self.affine(groups.amin(-1), groups.amax(-1))
-        q = (groups - zero.float()[..., None]) / scale.float()[..., None]
-        q = q.round().clamp(0, self.QMAX).to(torch.uint8).flatten(-2)
-        return QuantizedKV(self.pack(q), {"scale": scale, "zero": zero})
+        q, aux = self.encode(groups, -1)
+        return QuantizedKV(self.pack(q.flatten(-2)), aux)
 
     @classmethod
-    def affine(cls, low: Tensor, high: Tensor) -> tuple[Tensor, Tensor]:
-        """Stored float16 ``(zero, scale)`` covering ``[low, high]`` with ``QMAX + 1`` levels."""
+    def encode(cls, x: Tensor, dim: int) -> tuple[Tensor, dict[str, Tensor]]:
+        """Levels of float32 ``x`` (uint8, unpacked) and the stored float16 ``scale`` and
+        ``zero`` of each slice along ``dim``, covering its range with ``QMAX + 1`` levels."""
+        low, high = x.amin(dim), x.amax(dim)
         zero = (low - low.abs() * cls._MARGIN).to(AUX_DTYPE)
-        return zero, _stored_scale((high - zero.float()) / cls.QMAX * (1 + cls._MARGIN))
+        scale = _stored_scale((high - zero.float()) / cls.QMAX * (1 + cls._MARGIN))
+        q = (x - zero.float().unsqueeze(dim)) / scale.float().unsqueeze(dim)
+        return q.round().clamp(0, cls.QMAX).to(torch.uint8), {"scale": scale, "zero": zero}
+
+    @staticmethod
+    def decode(levels: Tensor, aux: dict[str, Tensor], dim: int) -> Tensor:
+        """Float32 values of ``levels`` with the ``scale``/``zero`` of each slice along ``dim``."""
+        scale, zero = (aux[name].float().unsqueeze(dim) for name in ("scale", "zero"))
+        return levels.float() * scale + zero
 
     @staticmethod
     def pack(q: Tensor) -> Tensor:
@@ -210,10 +218,8 @@ class Int4Codec(KVCodec):
         return torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2)
 
     def dequantize(self, q: QuantizedKV, dtype: torch.dtype) -> Tensor:
-        nibbles = self.unpack(q.data)
-        groups = nibbles.float().unflatten(-1, (self.num_groups, self.group_size))
-        x = groups * q.aux["scale"].float()[..., None] + q.aux["zero"].float()[..., None]
-        return x.flatten(-2).to(dtype)
+        groups = self.unpack(q.data).unflatten(-1, (self.num_groups, self.group_size))
+        return self.decode(groups, q.aux, -1).flatten(-2).to(dtype)
 
 
 KV_CODEC_NAMES = (*_FLOAT_DTYPES, "int8", "fp8", *_FP8_DTYPES, "int4")

@@ -49,13 +49,12 @@ class Staging:
                                   device=cache.device)
 
     @staticmethod
-    def needed(k_dtype: str, v_dtype: str, head_dim: int, k_scale: str, v_scale: str | None,
+    def needed(k_dtype: str, v_dtype: str, head_dim: int, k_scale: str,
                layer_dtypes: LayerDtypes | None = None) -> bool:
-        """Whether a codec has per-block scales, so partial blocks must be staged (the
+        """Whether a key codec has per-block scales, so partial blocks must be staged (the
         default dtypes count even when ``layer_dtypes`` overrides every layer)."""
         return any(side_codec(k, head_dim, k_scale).block_aux_widths
-                   or side_codec(v, head_dim, v_scale).block_aux_widths
-                   for k, v in dtype_pairs(k_dtype, v_dtype, layer_dtypes))
+                   for k, _ in dtype_pairs(k_dtype, v_dtype, layer_dtypes))
 
     @staticmethod
     def bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -91,16 +90,16 @@ class Staging:
         return StagedKV(start - held, k_ctx, v_ctx)
 
     def append_decodes(self, layer: int, slots: Tensor, positions: Tensor, block_ids: Tensor,
-                       k: Tensor, v: Tensor) -> None:
+                       k: Tensor, v: Tensor, filled: Tensor | None) -> None:
         """One token per sequence at once: token ``i`` at ``positions[i]`` of the block
-        ``block_ids[i]``, staged in ``slots[i]``."""
+        ``block_ids[i]``, staged in ``slots[i]``; the tokens ``filled`` (indices, or None)
+        fill their blocks, which go into the pool."""
         offsets = positions % self.block_size
         for side, x in enumerate((k, v)):
             self.buffer[side, layer, slots, offsets] = x.to(self.buffer.dtype)
-        full = offsets == self.block_size - 1
-        if bool(full.any()):
-            blocks = self.buffer[:, layer, slots[full]]
-            self.cache.write_blocks(layer, block_ids[full], blocks[0], blocks[1])
+        if filled is not None:
+            blocks = self.buffer[:, layer, slots[filled]]
+            self.cache.write_blocks(layer, block_ids[filled], blocks[0], blocks[1])
 
     # -- reads ---------------------------------------------------------------------------
 

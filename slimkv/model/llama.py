@@ -178,6 +178,9 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
         self.output = None if args.tie_word_embeddings else nn.Linear(
             args.hidden_size, args.vocab_size, bias=False, dtype=dtype, device=device)
+        # Set by slimkv.model.lean.quantize_model: a quantized LM head, a float32 residual.
+        self.lm_head: nn.Module | None = None
+        self.residual_dtype: torch.dtype | None = None
         cos, sin = rope_tables(args)
         self.register_buffer("rope_cos", cos.to(device, dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(device, dtype), persistent=False)
@@ -185,10 +188,12 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_weights(cls, args: ModelArgs, weights: dict[str, Tensor], dtype: torch.dtype,
-                     device: torch.device) -> Transformer:
-        """Adopt ``weights`` (this module's state-dict names) without paying for random init."""
+                     device: torch.device, strict: bool = True) -> Transformer:
+        """Adopt ``weights`` (this module's state-dict names) without paying for random init;
+        ``strict=False`` leaves the missing ones on the meta device for the caller to fill."""
         model = cls(args, dtype, torch.device("meta"))
-        model.load_state_dict({k: w.to(device, dtype) for k, w in weights.items()}, assign=True)
+        model.load_state_dict({k: w.to(device, dtype) for k, w in weights.items()}, assign=True,
+                              strict=strict)
         cos, sin = rope_tables(args)
         model.rope_cos, model.rope_sin = cos.to(device, dtype), sin.to(device, dtype)
         return model
@@ -197,10 +202,14 @@ class Transformer(nn.Module):
         """Hidden states [T, hidden] after the final norm for a flat batch of T tokens."""
         cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
         x = self.tok_embeddings(input_ids)
+        if self.residual_dtype is not None:
+            x = x.to(self.residual_dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
         return self.norm(x)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
+        if self.lm_head is not None:
+            return self.lm_head.fused(hidden)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden.to(weight.dtype), weight).float()

@@ -15,10 +15,12 @@ import torch
 from torch import Tensor
 
 from slimkv.model.llama import SUPPORTED_ARCHS, ModelArgs, Transformer
+from slimkv.model.quant import GGUF_CLASSES, from_gguf
+from slimkv.model.weights import Weight, build, cat
 from slimkv.model.tokenizer import Tokenizer
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-Getter = Callable[[str], Tensor]
+Getter = Callable[[str], Weight]
 
 
 def default_model_path() -> str:
@@ -33,13 +35,14 @@ def default_model_path() -> str:
     return path
 
 
-def load_model(path: str | None, dtype: torch.dtype,
-               device: torch.device) -> tuple[ModelArgs, Transformer, Tokenizer]:
-    """Load weights and tokenizer; results are cached, so callers must not mutate the model."""
+def load_model(path: str | None, dtype: torch.dtype, device: torch.device,
+               weights: str = "float") -> tuple[ModelArgs, Transformer, Tokenizer]:
+    """Load weights (in the class ``weights``, see :mod:`slimkv.model.weights`) and
+    tokenizer; results are cached, so callers must not mutate the model."""
     path = default_model_path() if path is None else path
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path not found: {path}")
-    return _load_cached(os.path.realpath(path), dtype, torch.device(device))
+    return _load_cached(os.path.realpath(path), dtype, torch.device(device), weights)
 
 
 def load_tokenizer(path: str | None) -> Tokenizer:
@@ -53,19 +56,19 @@ def load_tokenizer(path: str | None) -> Tokenizer:
 def read_model_args(path: str | None) -> ModelArgs:
     """The model's shapes from its metadata alone, without loading the weights."""
     path = default_model_path() if path is None else path
-    return (_read_hf_dir(path) if os.path.isdir(path) else _read_gguf(path))[0]
+    return (_read_hf_dir(path) if os.path.isdir(path) else _read_gguf(path, True))[0]
 
 
 @functools.lru_cache(maxsize=4)
-def _load_cached(path: str, dtype: torch.dtype,
-                 device: torch.device) -> tuple[ModelArgs, Transformer, Tokenizer]:
+def _load_cached(path: str, dtype: torch.dtype, device: torch.device,
+                 weights: str) -> tuple[ModelArgs, Transformer, Tokenizer]:
     if os.path.isdir(path):
         args, get = _read_hf_dir(path)
     elif path.endswith(".gguf"):
-        args, get = _read_gguf(path)
+        args, get = _read_gguf(path, keep_blocks=weights != "float")
     else:
         raise ValueError(f"not a .gguf file or a Hugging Face model directory: {path}")
-    model = Transformer.from_weights(args, _fused_weights(args, get), dtype, device)
+    model = build(args, _fused_weights(args, get), dtype, device, weights)
     return args, model.eval(), _load_tokenizer(path)
 
 
@@ -74,7 +77,7 @@ def _load_tokenizer(path: str) -> Tokenizer:
     return Tokenizer.from_dir(path) if os.path.isdir(path) else Tokenizer.from_gguf(path)
 
 
-def _fused_weights(args: ModelArgs, get: Getter) -> dict[str, Tensor]:
+def _fused_weights(args: ModelArgs, get: Getter) -> dict[str, Weight]:
     """Map HF tensor names onto the fused ``Transformer`` state dict."""
     weights = {"tok_embeddings.weight": get("model.embed_tokens.weight"),
                "norm.weight": get("model.norm.weight")}
@@ -86,9 +89,9 @@ def _fused_weights(args: ModelArgs, get: Getter) -> dict[str, Tensor]:
         weights |= {
             f"{ours}attention_norm.weight": get(f"{hf}input_layernorm.weight"),
             f"{ours}ffn_norm.weight": get(f"{hf}post_attention_layernorm.weight"),
-            f"{ours}attention.wqkv.weight": torch.cat([get(f"{p}.weight") for p in proj]),
+            f"{ours}attention.wqkv.weight": cat([get(f"{p}.weight") for p in proj]),
             f"{ours}attention.wo.weight": get(f"{hf}self_attn.o_proj.weight"),
-            f"{ours}feed_forward.w13.weight": torch.cat(
+            f"{ours}feed_forward.w13.weight": cat(
                 [get(f"{hf}mlp.gate_proj.weight"), get(f"{hf}mlp.up_proj.weight")]),
             f"{ours}feed_forward.w2.weight": get(f"{hf}mlp.down_proj.weight"),
         }
@@ -97,7 +100,7 @@ def _fused_weights(args: ModelArgs, get: Getter) -> dict[str, Tensor]:
     return weights
 
 
-def _getter(tensors: dict[str, Tensor], path: str) -> Getter:
+def _getter(tensors: dict[str, Weight], path: str) -> Getter:
     def get(name: str) -> Tensor:
         if name not in tensors:
             raise ValueError(f"{path}: missing tensor {name!r}")
@@ -142,7 +145,8 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return rows.swapaxes(1, 2).reshape(w.shape)
 
 
-def _read_gguf(path: str) -> tuple[ModelArgs, Getter]:
+def _read_gguf(path: str, keep_blocks: bool = False) -> tuple[ModelArgs, Getter]:
+    """``keep_blocks``: Q4_0/Q4_1/Q8_0 tensors stay in their blocks (a ``QuantTensor``)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -163,12 +167,14 @@ def _read_gguf(path: str) -> tuple[ModelArgs, Getter]:
         raise ValueError(f"{path}: unsupported rope scaling {scaling!r}")
     heads, hidden = int(meta(f"{arch}.attention.head_count")), int(meta(f"{arch}.embedding_length"))
     kv_heads = int(meta(f"{arch}.attention.head_count_kv", heads))
-    tensors: dict[str, Tensor] = {}
+    tensors: dict[str, Weight] = {}
     for t in reader.tensors:
-        w = dequantize(t.data, t.tensor_type)
+        keep = keep_blocks and t.tensor_type.name in GGUF_CLASSES
+        w = t.data if keep else dequantize(t.data, t.tensor_type)
         if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
-            w = _unpermute(w, heads if ".attn_q." in t.name else kv_heads)
-        tensors[_hf_name(t.name)] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+            w = _unpermute(w, heads if ".attn_q." in t.name else kv_heads)  # rows: blocks too
+        tensors[_hf_name(t.name)] = (from_gguf(w, t.tensor_type.name) if keep else
+                                     torch.from_numpy(np.require(w, np.float32, ["C", "W"])))
     get = _getter(tensors, path)
     args = ModelArgs(
         arch=arch,

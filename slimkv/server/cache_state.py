@@ -107,6 +107,7 @@ class CacheHistory:
                        **{name: self.counts.series(now, name)
                           for name in ("evictions", "preemptions")}},
             "ttft": self.ttft.summary(now),
+            "offload": offload_summary(stats),
         }
         if with_blocks:
             state["blocks"] = blocks
@@ -118,6 +119,15 @@ class CacheHistory:
         return {"queries_total": stats.prefix_queries, "hits_total": stats.prefix_hits,
                 "hit_rate": ratio(stats.prefix_hits, stats.prefix_queries),
                 "hit_rate_recent": ratio(recent_h, recent_q), "window_s": WINDOW_S}
+
+
+def offload_summary(stats: EngineStats) -> dict[str, Any]:
+    """Per offload tier (``host``, ``disk``; ``{}`` when the tier is off): bytes held, cap,
+    and block counters since start."""
+    return {tier: {"bytes": t.num_bytes, "capacity_bytes": t.capacity_bytes,
+                   "stored_blocks": t.stored_blocks, "loaded_blocks": t.loaded_blocks,
+                   "dropped_blocks": t.dropped_blocks, "corrupt_blocks": t.corrupt_blocks}
+            for tier, t in stats.offload.items()}
 
 
 def ratio(part: int, whole: int) -> float | None:

@@ -14,6 +14,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Inf
 
 from slimkv.engine_stats import EngineStats
 from slimkv.outputs import RequestOutput
+from slimkv.server.offload_metrics import OffloadCollector
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -65,6 +66,8 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
                                     REQUEST_BUCKETS)
+        self.offload = OffloadCollector(model_name)
+        r.register(self.offload)
         # Engine counters exported as they move (see EngineStats.counters).
         self._engine_counters = {"prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
                         "preemptions": self.preemptions, "evictions": self.evictions}
@@ -96,6 +99,7 @@ class ServerMetrics:
         self.kv_usage.labels(m).set(stats.usage)
         self.blocks_used.labels(m).set(stats.num_blocks_used)
         self.watermark_alert.labels(m).set(int(stats.watermark_alert))
+        self.offload.update(stats.offload)
         for name, delta in deltas.items():
             if name.startswith("path:"):
                 self.attention_path.labels(m, name.removeprefix("path:")).inc(delta)

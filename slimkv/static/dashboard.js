@@ -87,6 +87,13 @@ function renderMemory(s) {
   }));
   const kind = m.k_dtype === m.v_dtype ? m.k_dtype : `K ${m.k_dtype} / V ${m.v_dtype}`;
   setText("bpt", `KV ${kind}: ${fmtBytes(m.kv_bytes_per_token)} per token`);
+  renderOffload(s.offload || {});
+}
+
+function renderOffload(tiers) {
+  const parts = Object.entries(tiers).map(([tier, t]) => `${tier} ${fmtBytes(t.bytes)} of `
+    + `${fmtBytes(t.capacity_bytes)} (${t.loaded_blocks} blocks loaded)`);
+  setText("offload", parts.length ? `Offload: ${parts.join(" · ")}` : "");
 }
 
 function renderRates(s) {

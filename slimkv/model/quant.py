@@ -1,0 +1,172 @@
+"""Weights in a 4-bit or 8-bit class: groups of 32 along K with ``w = d * q + m``.
+
+This is llama.cpp's Q4_1 exactly (Q4_0 is ``m = -8d``, Q8_0 is 8-bit codes with
+``m = -128d``), so a GGUF's blocks are adopted as they are, without a round trip through
+float. Float weights are quantized min/max per group. Matmuls run in
+:mod:`slimkv.kernels.qgemm` (int8 activations per group of 32, VNNI dot products).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from slimkv.kernels.qgemm import PLAIN, RMSNORM, SILU_MUL, QGemm, qgemm_kernel
+
+GROUP = 32
+GGUF_CLASSES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # GGUF tensor types adopted as they are
+
+
+@dataclass(slots=True)
+class QuantTensor:
+    """``[N, K]`` weights: codes ``q`` uint8 ``[N, K * bits / 8]`` (4-bit: byte i of a group
+    holds elements i and i + 16, ggml's order), ``d``, ``m`` float16 ``[N, K / 32]``."""
+
+    q: Tensor
+    d: Tensor
+    m: Tensor
+    bits: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.d.shape[1] * GROUP
+
+    def codes(self, rows: Tensor | slice = slice(None)) -> Tensor:
+        """Unpacked codes ``[n, K]`` uint8 of the selected rows."""
+        q = self.q[rows]
+        if self.bits == 8:
+            return q
+        g = q.view(q.shape[0], -1, GROUP // 2)
+        return torch.cat((g & 15, g >> 4), dim=-1).view(q.shape[0], -1)
+
+    def dequantize(self, rows: Tensor | slice = slice(None)) -> Tensor:
+        """float32 ``[n, K]`` of the selected rows."""
+        q = self.codes(rows).float().view(-1, self.d.shape[1], GROUP)
+        w = q * self.d[rows].float()[..., None] + self.m[rows].float()[..., None]
+        return w.view(q.shape[0], -1)
+
+    def to_bits(self, bits: int) -> QuantTensor:
+        if bits == self.bits:
+            return self
+        if bits == 8:  # 4-bit codes are 8-bit codes with the same d and m: exact
+            return QuantTensor(self.codes().contiguous(), self.d, self.m, 8)
+        return quantize(self.dequantize(), bits)
+
+
+def quantize(w: Tensor, bits: int) -> QuantTensor:
+    """Min/max per group of 32 (K must be a multiple of 32)."""
+    rows, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"cannot quantize a [{rows}, {k}] weight: K is not a multiple of 32")
+    g = w.float().view(rows, k // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    top = (1 << bits) - 1
+    d = ((hi - lo) / top).half()
+    m = lo.half()
+    inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros_like(lo))
+    q = ((g - m.float()[..., None]) * inv[..., None]).round().clamp(0, top).to(torch.uint8)
+    if bits == 4:
+        q = q[..., :GROUP // 2] | (q[..., GROUP // 2:] << 4)
+    return QuantTensor(q.reshape(rows, -1).contiguous(), d, m, bits)
+
+
+def from_gguf(raw: np.ndarray, type_name: str) -> QuantTensor:
+    """A GGUF tensor's blocks (``raw`` uint8 ``[N, bytes per row]``) as they are."""
+    rows = raw.shape[0]
+    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
+    blocks = np.ascontiguousarray(raw).reshape(rows, -1, size)
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])
+    if type_name == "Q4_1":
+        m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0])
+        q = blocks[..., 4:]
+    else:
+        m = d * (-8 if type_name == "Q4_0" else -128)  # exact in float16: a power of two
+        q = blocks[..., 2:] ^ np.uint8(0x80) if type_name == "Q8_0" else blocks[..., 2:]
+    q = torch.from_numpy(np.ascontiguousarray(q).reshape(rows, -1))
+    return QuantTensor(q, d, m, GGUF_CLASSES[type_name])
+
+
+def cat_rows(parts: list[QuantTensor]) -> QuantTensor:
+    """Stack along N (a fused projection); mixed classes meet at 8 bits (4 -> 8 is exact)."""
+    bits = max(p.bits for p in parts)
+    parts = [p.to_bits(bits) for p in parts]
+    return QuantTensor(*(torch.cat([getattr(p, f) for p in parts]) for f in "qdm"), bits)
+
+
+def _kernel() -> QGemm:
+    kernel = qgemm_kernel()
+    if kernel is None:  # the runner only picks a quantized class where the kernel exists
+        raise RuntimeError("quantized weights need slimkv/kernels/qgemm.c, which is not built")
+    return kernel
+
+
+class QuantLinear(nn.Module):
+    """``nn.Linear`` over a :class:`QuantTensor` (and an optional float bias).
+
+    Up to ``kernel_rows`` activation rows (decode steps) go through the int8 dot-product
+    kernel, which reads only the packed bytes; more rows (prefill) are a float GEMM in
+    ``dtype`` over the weights dequantized for the call, where the GEMM's compute, not the
+    weight bytes, is what costs."""
+
+    kernel_rows = 2
+
+    def __init__(self, weight: QuantTensor, dtype: torch.dtype, bias: Tensor | None = None) -> None:
+        super().__init__()
+        self.bits = weight.bits
+        self.dtype = dtype
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("q", weight.q)
+        self.register_buffer("d", weight.d)
+        self.register_buffer("m", weight.m)
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.kernel = _kernel()
+
+    @property
+    def weight(self) -> QuantTensor:
+        return QuantTensor(self.q, self.d, self.m, self.bits)
+
+    def fused(self, x: Tensor, mode: int = PLAIN, norm: nn.Module | None = None,
+              out: Tensor | None = None) -> Tensor:
+        """float32 ``f(x) . W^T (+ bias)``, added into ``out`` when given (see QGemm)."""
+        if x.shape[0] > self.kernel_rows:
+            y = F.linear(_prepare(x, mode, norm).to(self.dtype), self.kernel.dequantize(
+                self.q, self.d, self.m, self.bits, self.dtype)).float()
+            y = y if out is None else out.add_(y)
+        else:
+            weight = None if norm is None else norm.weight.float()
+            y = self.kernel(x.float(), self.q, self.d, self.m, self.bits, mode=mode,
+                            norm_weight=weight, eps=0.0 if norm is None else norm.eps, out=out)
+        if self.bias is not None:
+            y += self.bias
+        return y
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        return self.fused(x.reshape(-1, shape[-1])).view(*shape[:-1], -1).to(x.dtype)
+
+
+def _prepare(x: Tensor, mode: int, norm: nn.Module | None) -> Tensor:
+    """What the kernel's input modes do to x, in float32 torch ops (the GEMM path)."""
+    x = x.float()
+    if mode == RMSNORM:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.float()
+    if mode == SILU_MUL:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return x
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table in a quantized class: looked-up rows are dequantized."""
+
+    def __init__(self, weight: QuantTensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table = QuantLinear(weight, dtype)  # also the tied LM head
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """float32 rows (the residual stream of a quantized model is float32)."""
+        return self.table.weight.dequantize(ids)

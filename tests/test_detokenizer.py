@@ -1,0 +1,54 @@
+"""The incremental detokenizer: a split UTF-8 character and a possible stop string are
+held back until they resolve; a stop string never reaches the output."""
+
+from __future__ import annotations
+
+from slimkv.outputs import Detokenizer
+from slimkv.sampling_params import SamplingParams
+from slimkv.sequence import Sequence
+
+
+class ByteTokenizer:
+    """Token ``i`` is byte ``i``; decoding replaces an incomplete UTF-8 tail with U+FFFD,
+    as real byte-level tokenizers do."""
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def stream(text: bytes, stop: list[str] | None = None) -> tuple[list[str], Sequence]:
+    """The deltas emitted for ``text`` fed one byte (token) at a time."""
+    seq = Sequence("r", [0], SamplingParams(stop=stop or []))
+    detok = Detokenizer(ByteTokenizer())
+    deltas = []
+    for byte in text:
+        if seq.finish_reason is not None:
+            break
+        seq.token_ids.append(byte)
+        deltas.append(detok.update(seq))
+    return deltas, seq
+
+
+def test_a_split_utf8_character_is_held_back_until_complete() -> None:
+    deltas, seq = stream("aé€".encode())         # é: 2 bytes, €: 3 bytes
+    assert deltas == ["a", "", "é", "", "", "€"]
+    assert "\ufffd" not in "".join(deltas) and seq.output_text == "aé€"
+
+
+def test_a_possible_stop_prefix_is_held_back_then_released() -> None:
+    deltas, seq = stream(b"ab ENx", stop=["END"])
+    assert deltas == ["a", "b", " ", "", "", "ENx"]
+    assert seq.finish_reason is None and "".join(deltas) == "ab ENx"
+
+
+def test_a_stop_string_ends_the_output_without_appearing_in_it() -> None:
+    deltas, seq = stream(b"ab ENDcd", stop=["END", "zz"])
+    assert deltas == ["a", "b", " ", "", "", ""]
+    assert seq.finish_reason == "stop" and seq.output_text == "ab "
+
+
+def test_the_longest_stop_prefix_wins() -> None:
+    deltas, seq = stream(b"xSTOS", stop=["STOP", "SS"])
+    # "S" may start either; "ST", "STO" may start STOP; "STOS" ends in "S" (SS, STOP).
+    assert deltas == ["x", "", "", "", "STO"]
+    assert seq.finish_reason is None

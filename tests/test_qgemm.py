@@ -1,0 +1,128 @@
+"""The weight kernel (slimkv/kernels/qgemm.c) against pure-torch references, and the
+group-32 weight formats against the GGUF reader's own dequantization."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from slimkv.kernels.qgemm import PLAIN, RMSNORM, SILU_MUL, qgemm_kernel, qgemm_unavailable_reason
+from slimkv.model.quant import QuantLinear, QuantTensor, cat_rows, from_gguf, quantize
+
+pytestmark = pytest.mark.skipif(qgemm_kernel() is None,
+                                reason=f"no weight kernel: {qgemm_unavailable_reason()}")
+SHAPES = [(64, 576), (50, 96), (7, 32), (300, 1536)]  # odd group counts and N % 4 != 0 too
+
+
+class Norm(torch.nn.Module):
+    def __init__(self, k: int, gen: torch.Generator) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(k, generator=gen) + 0.5, requires_grad=False)
+        self.eps = 1e-5
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes and scales per group of 32, as the kernel's contract states."""
+    g = x.double().view(x.shape[0], -1, 32)
+    d = (g.abs().amax(-1) / 127).float().double()
+    q = torch.where(d[..., None] > 0, g / d[..., None], torch.zeros_like(g)).round()
+    return q, d
+
+
+def exact_reference(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    """float64 y = sum over groups of d_w d_a (q . qa) + m_w d_a sum(qa)."""
+    qa, da = quantize_activations(x)
+    qw = w.codes().double().view(w.shape[0], -1, 32)
+    dot = torch.einsum("mgk,ngk->mng", qa, qw)
+    scale = w.d.double()[None] * da[:, None]
+    return (dot * scale + w.m.double()[None] * (da * qa.sum(-1))[:, None]).sum(-1)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rows", [1, 2])
+def test_kernel_equals_the_integer_reference(bits: int, shape: tuple[int, int], rows: int) -> None:
+    n, k = shape
+    gen = _gen(n + k + bits)
+    w = quantize(torch.randn(n, k, generator=gen), bits)
+    x = torch.randn(rows, k, generator=gen) * 3
+    y = QuantLinear(w, torch.float32).fused(x)
+    ref = exact_reference(x, w)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+    # and within the activation rounding bound of the float matmul over the same weights
+    wf = w.dequantize().double()
+    _, da = quantize_activations(x)
+    bound = (da[:, None, :] / 2 * wf.abs().view(n, -1, 32).sum(-1)[None]).sum(-1)
+    assert ((y.double() - x.double() @ wf.T).abs() <= bound * 1.001 + 1e-4).all()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 9])
+def test_fused_input_modes_and_residual_add(bits: int, rows: int) -> None:
+    """RMSNorm / SiLU-mul on the way in, add into ``out``: the kernel (rows <= 2) and the
+    GEMM path (more rows) both equal torch ops on the dequantized weights."""
+    gen, k, n = _gen(rows + bits), 96, 40
+    w = quantize(torch.randn(n, k, generator=gen), bits)
+    lin, norm, wf = QuantLinear(w, torch.float32), Norm(k, gen), w.dequantize()
+    x = torch.randn(rows, k, generator=gen)
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight
+    gate_up = torch.randn(rows, 2 * k, generator=gen)
+    silu = torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:]
+    residual = torch.randn(rows, n, generator=gen)
+    out = residual.clone()
+    lin.fused(gate_up, SILU_MUL, out=out)
+    tol = dict(rtol=0.02, atol=0.02 * float((silu @ wf.T).abs().max()))
+    torch.testing.assert_close(out, residual + silu @ wf.T, **tol)
+    torch.testing.assert_close(lin.fused(x, RMSNORM, norm), normed @ wf.T,
+                               rtol=0.02, atol=0.02 * float((normed @ wf.T).abs().max()))
+    torch.testing.assert_close(lin.fused(x, PLAIN), x @ wf.T,
+                               rtol=0.02, atol=0.02 * float((x @ wf.T).abs().max()))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantize_round_trip_and_c_dequantize(bits: int) -> None:
+    gen = _gen(bits)
+    x = torch.randn(33, 576, generator=gen)
+    w = quantize(x, bits)
+    err = (w.dequantize() - x).abs().view(33, -1, 32)
+    assert (err <= w.d.float()[..., None] / 2 * 1.01 + 1e-3).all()
+    c = qgemm_kernel().dequantize(w.q, w.d, w.m, bits, torch.float32)
+    assert torch.equal(c, w.dequantize())
+    c16 = qgemm_kernel().dequantize(w.q, w.d, w.m, bits, torch.bfloat16)
+    assert torch.equal(c16, w.dequantize().bfloat16())
+
+
+def test_four_bits_widen_to_eight_exactly_and_mixed_rows_meet_at_eight() -> None:
+    gen = _gen(0)
+    w4, w8 = quantize(torch.randn(8, 64, generator=gen), 4), quantize(torch.randn(4, 64), 8)
+    assert torch.equal(w4.to_bits(8).dequantize(), w4.dequantize())
+    both = cat_rows([w4, w8])
+    assert both.bits == 8 and torch.equal(both.dequantize(),
+                                          torch.cat([w4.dequantize(), w8.dequantize()]))
+
+
+def test_gguf_blocks_are_adopted_exactly() -> None:
+    """Q4_1 and Q8_0 tensors of the embedded GGUF, and Q4_0 blocks made by gguf's own
+    quantizer: our dequantization equals gguf's."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import dequantize, quantize as gguf_quantize
+
+    from slimkv.model.loader import default_model_path
+    reader = gguf.GGUFReader(default_model_path())
+    seen = set()
+    for t in reader.tensors:
+        name = t.tensor_type.name
+        if name in ("Q4_1", "Q8_0") and name not in seen:
+            seen.add(name)
+            ours = from_gguf(t.data, name).dequantize()
+            assert torch.equal(ours, torch.from_numpy(dequantize(t.data, t.tensor_type).copy()))
+    assert seen == {"Q4_1", "Q8_0"}
+    x = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    raw = gguf_quantize(x, gguf.GGMLQuantizationType.Q4_0)
+    ours = from_gguf(raw, "Q4_0").dequantize()
+    assert torch.equal(ours, torch.from_numpy(dequantize(raw, gguf.GGMLQuantizationType.Q4_0)))

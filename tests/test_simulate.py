@@ -1,0 +1,186 @@
+"""The simulator is pinned to the real engine: on the same workload the real ``LLMEngine``
+(the embedded model) and ``SimEngine`` (no model, a step-time model) make the same
+decisions at every step: who is admitted, preempted and finished, and how many tokens run.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from slimkv.config import Config
+from slimkv.engine import LLMEngine
+from slimkv.kv.block_pool import BlockPool
+from slimkv.kv.manager import KVCacheManager
+from slimkv.sampling_params import SamplingParams
+from slimkv.sequence import Sequence
+from slimkv.simulate.engine import Batch, SimEngine
+
+
+def workload(seed: int = 0) -> list[tuple[int, str, list[int], int, str | None]]:
+    """(arrival step, request id, prompt ids, max_tokens, session): shared prefixes (a
+    session's later turns repeat its first), a long request for the slow lane, bursts."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(300, 40000) for _ in range(40)]
+    out = []
+    for i in range(14):
+        head = shared if i % 3 == 0 else [rng.randrange(300, 40000) for _ in range(24)]
+        tail = [rng.randrange(300, 40000) for _ in range(rng.randrange(5, 60))]
+        out.append((i // 3 * 2, f"r{i}", head + tail, rng.randrange(23, 32),
+                    f"s{i % 4}" if i % 2 else None))
+    out.append((3, "long", [rng.randrange(300, 40000) for _ in range(300)], 6, None))
+    return sorted(out)
+
+
+def config(paged: bool, **sched) -> Config:
+    return (Config()
+            .replace("model", dtype="float32", max_model_len=512)
+            .replace("kv_cache", dtype="bfloat16", paged=paged, num_blocks=24 if paged else 48,
+                     max_concurrency_soft=5, watermark=0.9)
+            .replace("scheduler", max_num_batched_tokens=96, long_request_blocks=16, **sched))
+
+
+def decisions_real(cfg: Config) -> list[tuple]:
+    engine = LLMEngine(cfg)
+    sched = engine.scheduler
+    trace, pending = [], workload()
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= engine.num_steps:
+            _, rid, ids, n, session = pending.pop(0)
+            engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                               rid, session)
+        schedule, captured = sched.schedule, {}
+
+        def spy():
+            before = {id(s) for s in sched.running}
+            captured["out"] = out = schedule()
+            captured["admitted"] = [s.request_id for s in sched.running if id(s) not in before]
+            return out
+
+        sched.schedule = spy
+        outputs = engine.step()
+        sched.schedule = schedule
+        out = captured["out"]
+        trace.append((engine.num_steps, sorted(captured["admitted"]),
+                      sorted(s.request_id for s in out.preempted),
+                      sorted(o.request_id for o in outputs if o.finished), out.num_tokens))
+        assert engine.num_steps < 2000
+    return trace
+
+
+def decisions_sim(cfg: Config) -> list[tuple]:
+    sim = SimEngine(cfg.kv_cache, cfg.scheduler, cfg.kv_cache.num_blocks,
+                    cfg.model.max_model_len, lambda b: 0.01 + 0.001 * b.num_tokens)
+    trace, pending = [], workload()
+    while pending or sim.has_unfinished():
+        while pending and pending[0][0] <= sim.num_steps:
+            _, rid, ids, n, session = pending.pop(0)
+            sim.add_request(ids, SamplingParams(max_tokens=n, ignore_eos=True), rid, session)
+        record, finished = sim.step()
+        trace.append((record.step, sorted(record.admitted), sorted(record.preempted),
+                      sorted(record.finished), record.num_tokens))
+    return trace
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("paged,policy", [(True, "weighted"), (True, "fcfs"),
+                                          (False, "weighted")])
+def test_same_decisions_as_the_engine_step_by_step(paged, policy):
+    cfg = config(paged, policy=policy)
+    real, sim = decisions_real(cfg), decisions_sim(cfg)
+    assert len(real) == len(sim)
+    for a, b in zip(real, sim):
+        assert a == b, f"step {a[0]}: engine {a} vs simulator {b}"
+    # Every request finished; the paged runs preempted on the way.
+    assert sum(len(t[3]) for t in real) == len(workload())
+    assert not paged or sum(len(t[2]) for t in real) > 0
+
+
+def test_the_workload_preempts_and_hits_the_prefix_cache():
+    """The shared workload is tight enough that the pinned traces cover preemption and
+    prefix hits (checked on the simulator alone, which is what is fast)."""
+    cfg = config(True, policy="weighted")
+    sim = SimEngine(cfg.kv_cache, cfg.scheduler, cfg.kv_cache.num_blocks, 512, lambda b: 0.01)
+    pending = workload()
+    while pending or sim.has_unfinished():
+        while pending and pending[0][0] <= sim.num_steps:
+            _, rid, ids, n, session = pending.pop(0)
+            sim.add_request(ids, SamplingParams(max_tokens=n, ignore_eos=True), rid, session)
+        sim.step()
+    assert sim.manager.num_prefix_hits > 0 and sim.scheduler.num_preemptions > 0
+    assert sim.pool.num_free_blocks == sim.pool.num_blocks
+
+
+def test_a_full_block_is_offered_to_the_prefix_index_once():
+    pool = BlockPool(16)
+    manager = KVCacheManager(pool, 4, session_ttl_s=600.0)
+    offered = []
+    cache_block = pool.cache_block
+    pool.cache_block = lambda block, h: (offered.append(block.block_id), cache_block(block, h))
+    seq = Sequence("a", list(range(300, 310)), SamplingParams(max_tokens=8))
+    for n in (6, 1, 1, 1, 1):       # a chunk, then decode steps
+        manager.allocate(seq, n)
+        seq.num_computed_tokens += n
+        seq.token_ids.append(999)
+        manager.cache_full_blocks(seq)
+    assert sorted(offered) == sorted(set(offered))
+    assert len(offered) == seq.num_computed_tokens // 4
+
+
+def test_batch_reports_context_before_the_new_tokens():
+    seen: list[Batch] = []
+    cfg = config(True)
+    sim = SimEngine(cfg.kv_cache, cfg.scheduler, 48, 512, lambda b: seen.append(b) or 0.02)
+    sim.add_request(list(range(300, 340)), SamplingParams(max_tokens=2, ignore_eos=True))
+    sim.step()
+    sim.step()
+    assert seen[0].new_tokens == (40,) and seen[0].context == (0,) and seen[0].num_sampled == 1
+    assert seen[1].new_tokens == (1,) and seen[1].context == (40,)
+    assert sim.now == pytest.approx(0.04)
+
+
+# -- step-time model, card, fleet ---------------------------------------------------------
+
+def test_decode_step_is_the_weights_and_kv_over_the_bandwidth():
+    """A batch of one decode token on an A100: the roofline is memory-bound, so the step
+    is the weights plus the KV context read at the stated bandwidth efficiency."""
+    from slimkv.simulate.card import Card, Variant
+    from slimkv.simulate.costs import GPU_DEFAULTS, device
+
+    dev = device("A100-80GB")
+    card = Card.build("llama-2-7b", dev, Variant("bfloat16"), 4096)
+    ctx = 1000
+    kv = ctx + 1
+    per_token = 2 * 32 * 4096 * 2                      # K and V, 32 layers, bf16
+    expect = (GPU_DEFAULTS["overhead_s"] + GPU_DEFAULTS["per_seq_s"]
+              + (card.weight_bytes + kv * per_token) / (dev.hbm_gbps * 1e9 * dev.bw_eff))
+    assert card.step_model(Batch((1,), (ctx,), 1)) == pytest.approx(expect)
+    # A 2048-token prefill chunk is compute-bound: ~2 FLOPs per parameter per token.
+    prefill = card.step_model(Batch((2048,), (0,), 1))
+    assert prefill > 2 * 6.5e9 * 2048 / (dev.bf16_tflops * 1e12 * dev.flop_eff)
+
+
+def test_card_pool_is_the_planners():
+    from slimkv.planner import plan
+    from slimkv.simulate.card import Card, Variant
+    from slimkv.simulate.costs import device
+
+    dev = device("A100-80GB")
+    for dtype in ("bfloat16", "int8", "int4"):
+        card = Card.build("qwen2.5-7b", dev, Variant(dtype), 4096, soft=48)
+        p = plan("qwen2.5-7b", dev.memory_bytes, context=4096, sessions=48, kv_dtypes=(dtype,))
+        assert card.num_blocks == p.rows[0].num_blocks and card.kv_budget == p.kv_budget
+
+
+def test_fleet_keeps_sessions_home_and_finishes_turns():
+    from slimkv.simulate.card import Card, Variant
+    from slimkv.simulate.costs import device
+    from slimkv.simulate.fleet import run_fleet
+    from slimkv.simulate.workload import SessionSpec
+
+    card = Card.build("llama-2-7b", device("A100-80GB"), Variant("int8"), 1024)
+    result = run_fleet(card, 3, SessionSpec(1024, 512, 32, think_time=2.0), 30, 40.0, 5.0)
+    assert result["turns_done"] > 30
+    assert set(result["route_reasons"]) <= {"session", "load", "kv"}
+    assert result["route_reasons"]["session"] > 0.9 * sum(result["route_reasons"].values())
