@@ -1,10 +1,6 @@
-"""One YAML file configures the whole engine.
-
-Every section is a slotted dataclass validated in ``__post_init__``; ``Config.from_dict``
-rejects unknown keys with a message that names the full key path, so a typo never
-silently falls back to a default (the failure mode that bit vLLM users whose
-``kv_cache_dtype`` was ignored).
-"""
+"""One YAML file configures the whole engine: every section is a slotted dataclass validated
+in ``__post_init__``; ``Config.from_dict`` rejects unknown keys naming the full key path, so a
+typo never silently falls back to a default (as vLLM's ignored ``kv_cache_dtype`` once did)."""
 
 from __future__ import annotations
 
@@ -17,8 +13,7 @@ from typing import Any
 import yaml
 
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
-# model.weights: auto = the file's 4/8-bit class where the CPU kernel runs and model.dtype is
-# auto; a pinned model.dtype (the tests pin float32) keeps unquantized weights in it.
+# model.weights auto: the file's 4/8-bit class where the CPU kernel runs (slimkv/model/weights.py).
 WEIGHT_CLASSES = ("auto", "float32", "bfloat16", "int8", "int4")
 KV_DTYPES = ("auto", "float32", "float16", "bfloat16",
              "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "int4")
@@ -30,10 +25,8 @@ K_SCALES = ("per_token", "per_channel_block")
 # Chosen by the eval harness: see README, "KV scale layouts".
 DEFAULT_K_SCALE = "per_channel_block"
 # Keys that were removed, with what to do instead: an old config fails naming them.
-REMOVED_KEYS = {
-    "kv_cache.v_scale": "values are always scaled per token-head (int4: per group of 32); "
-                        "the key never changed anything, delete it",
-}
+REMOVED_KEYS = {"kv_cache.v_scale": "values are always scaled per token-head (int4: per group "
+                                    "of 32); the key never changed anything, delete it"}
 EVICT_POLICIES = ("lru_block", "fifo")
 SCHEDULER_POLICIES = ("weighted", "fcfs")
 ROUTERS = ("slimkv", "pow2")  # cluster.router: ours, or Ray Serve's power of two choices
@@ -73,9 +66,8 @@ def _check_positive(value: Any, key: str, *, low: float = 0, inclusive: bool = F
 
 
 def _check_fraction(value: float, key: str, *, allow_zero: bool = False) -> None:
-    low_ok = value >= 0 if allow_zero else value > 0
-    _check(isinstance(value, (int, float)) and low_ok and value <= 1, key,
-           f"must be a number in {'[0' if allow_zero else '(0'}, 1], got {value!r}")
+    _check_positive(value, key, inclusive=allow_zero)  # a number first: "0.5" is a str
+    _check(value <= 1, key, f"must be at most 1, got {value!r}")
 
 
 @dataclass(slots=True)
@@ -84,8 +76,7 @@ class ModelConfig:
 
     path: str | None = None
     dtype: str = "auto"
-    # float32 / bfloat16: unquantized (also the model dtype where model.dtype is auto).
-    weights: str = "auto"
+    weights: str = "auto"  # float32 / bfloat16: unquantized; int8 / int4: grouped by 32
     device: str = "auto"
     max_model_len: int | None = None
     name: str | None = None
@@ -94,8 +85,7 @@ class ModelConfig:
         _check_choice(self.dtype, MODEL_DTYPES, "model.dtype")
         _check_choice(self.weights, WEIGHT_CLASSES, "model.weights")
         _check(self.weights in ("auto", "int8", "int4") or self.dtype in ("auto", self.weights),
-               "model.weights", f"unquantized {self.weights} weights need model.dtype "
-               f"{self.weights} or auto, got {self.dtype}")
+               "model.weights", f"{self.weights} weights need model.dtype {self.weights} or auto")
         _check(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
                "model.device", f"expected auto, cpu, cuda or cuda:N, got {self.device!r}")
         _check_int(self.max_model_len, "model.max_model_len", optional=True)
@@ -147,8 +137,7 @@ class KVCacheConfig:
 
 
 def _check_layer_dtypes(value: Any) -> None:
-    """``{dtype: [layer, ...]}``: concrete dtypes, non-negative layer indices, each layer
-    at most once (layer counts are checked against the model when the engine starts)."""
+    """``{dtype: [layer, ...]}``, each layer once (counts are checked when the engine starts)."""
     key = "kv_cache.layer_dtypes"
     _check(isinstance(value, dict), key,
            f"must map a KV dtype to a list of layer indices, e.g. {{int8: [0, 1]}}, got {value!r}")
@@ -200,8 +189,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         _check(isinstance(self.port, int) and 0 <= self.port < 65536,
                "server.port", f"must be a TCP port number, got {self.port!r}")
-        _check_int(self.max_body_bytes, "server.max_body_bytes")
-        _check_int(self.max_n, "server.max_n")
+        for key in ("max_body_bytes", "max_n"):
+            _check_int(getattr(self, key), f"server.{key}")
 
 
 @dataclass(slots=True)
@@ -222,10 +211,9 @@ class CanaryConfig:
 
 @dataclass(slots=True)
 class ClusterConfig:
-    """``replicas`` > 1: engine replicas on Ray Serve behind one endpoint (slimkv/cluster/).
-    ``ray_address`` None starts a local Ray cluster with ``num_cpus`` (None: all cores) and
-    ``object_store_mb`` of shared memory; otherwise joins that cluster. ``router``, the
-    routing blocks and the ``balance_*`` thresholds: slimkv/cluster/policy.py."""
+    """``replicas`` > 1: engine replicas on Ray Serve behind one endpoint (slimkv/cluster/);
+    ``ray_address`` None starts a local Ray (``num_cpus``: None all cores, ``object_store_mb``)
+    or else joins it. ``router``, ``routing_blocks``, ``balance_*``: slimkv/cluster/policy.py."""
 
     replicas: int = 1
     ray_address: str | None = None

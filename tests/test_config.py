@@ -46,6 +46,8 @@ def test_typo_key_is_rejected_with_its_name_and_a_hint(tmp_path):
     ("kv_cache:\n  block_size: 24\n", "kv_cache.block_size"),
     ("kv_cache:\n  evict_policy: random\n", "kv_cache.evict_policy"),
     ("kv_cache:\n  watermark: 1.5\n", "kv_cache.watermark"),
+    ("kv_cache:\n  watermark: '0.5'\n", "kv_cache.watermark"),  # was a TypeError
+    ("scheduler:\n  slow_lane_token_share: half\n", "scheduler.slow_lane_token_share"),
     ("kv_cache:\n  max_concurrency_soft: 0\n", "kv_cache.max_concurrency_soft"),
     ("model:\n  dtype: int8\n", "model.dtype"),
     ("scheduler:\n  policy: lottery\n", "scheduler.policy"),
