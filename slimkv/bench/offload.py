@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from slimkv.bench.engine import machine_info
 from slimkv.config import Config
 from slimkv.engine import LLMEngine
 from slimkv.sampling import SamplingParams
@@ -134,7 +135,8 @@ def _tier_stats(engine: LLMEngine) -> dict[str, Any]:
 
 
 def bench_offload(config: Config, doc_tokens: list[int], **work: Any) -> dict[str, Any]:
-    return {"kv_dtype": config.kv_cache.dtype, "k_scale": config.kv_cache.k_scale,
+    return {"machine": machine_info(), "model_dtype": config.model.dtype,
+            "kv_dtype": config.kv_cache.dtype, "k_scale": config.kv_cache.k_scale,
             "docs": {str(n): bench_doc(config, Workload(n, **work)) for n in doc_tokens}}
 
 
