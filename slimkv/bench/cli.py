@@ -39,8 +39,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p = bench.add_parser("compare", help="slimkv vs vLLM-CPU and llama.cpp, side by side")
     add_config_args(p)
     p.add_argument("--kv-dtypes", type=_csv(str), default=["bfloat16", "int8", "int4"])
-    p.add_argument("--model-dtype", default="bfloat16",
-                   help="weights/activations for slimkv (default bfloat16, as vLLM-CPU)")
+    p.add_argument("--model-dtype", default=None,
+                   help="pin slimkv's model dtype (default: the config's, `auto`; a pinned "
+                        "dtype also keeps unquantized weights)")
     p.add_argument("--reps", type=int, default=3, help="llama.cpp repetitions per measurement")
     p.add_argument("--no-peers", action="store_true", help="measure slimkv only")
     p.add_argument("--peer-scripts", type=Path, help="the peers' drivers (../shared/peers)")
@@ -73,7 +74,9 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
     from slimkv.bench.compare import bench_compare, format_ratios, plot
     from slimkv.bench.peers import Peers
 
-    config = config_from_args(args).replace("model", dtype=args.model_dtype)
+    config = config_from_args(args)
+    if args.model_dtype:
+        config = config.replace("model", dtype=args.model_dtype)
     peers = None if args.no_peers else Peers(
         **{k: v for k, v in (("scripts", args.peer_scripts), ("envs", args.peer_envs)) if v})
     result = bench_compare(config, args.kv_dtypes, peers, args.reps)
