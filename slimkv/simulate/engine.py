@@ -110,14 +110,6 @@ class SimEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
-
     def step(self) -> tuple[StepRecord, list[Finished]]:
         """One engine step: schedule, charge the batch's time, append tokens, finish."""
         self.num_steps += 1

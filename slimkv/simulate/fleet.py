@@ -45,8 +45,9 @@ def run_fleet(card: Card, num_replicas: int, spec: SessionSpec, num_sessions: in
         if t_client <= t_step:
             client = clients[heapq.heappop(ready)[1]]
             turn = client.next_turn(t_client)
-            loads = [ReplicaLoad(n, e.num_running + e.num_waiting, e.pool.usage,
-                                 e.scheduler.watermark_alert) for n, e in zip(names, engines)]
+            loads = [ReplicaLoad(n, len(e.scheduler.running) + len(e.scheduler.waiting),
+                                 e.pool.usage, e.scheduler.watermark_alert)
+                     for n, e in zip(names, engines)]
             decision = route(RouteKeys(turn.session), loads, index, balance)
             reasons[decision.reason] = reasons.get(decision.reason, 0) + 1
             r = int(decision.replica[1:])
@@ -62,7 +63,7 @@ def run_fleet(card: Card, num_replicas: int, spec: SessionSpec, num_sessions: in
         _, r = heapq.heappop(busy)
         engine = engines[r]
         _, finished = engine.step()
-        peak_running[r] = max(peak_running[r], engine.num_running)
+        peak_running[r] = max(peak_running[r], engine.scheduler.num_running())
         for f in finished:
             turn, client = inflight.pop(f.request_id)
             if turn.sent >= warmup:
