@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from slimkv.loadtest.report import save_figure
+
 
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.0f}"
@@ -102,13 +104,7 @@ def plot_case(case: dict[str, Any], path: Path) -> Path:
     a.set(xlabel="clients", ylabel="sessions running at once (peak)",
           title=f"{spec['model']} on {spec['device']}, {spec['context']} tokens")
     b.set(xlabel="clients", ylabel="P99 TTFT (s)", yscale="log", title="P99 time to first token")
-    for ax in (a, b):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, (a, b), path, legend_size=8)
     return path
 
 
