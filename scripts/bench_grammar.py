@@ -10,13 +10,14 @@ advances the matchers. Writes bench/results/grammar.json. Run quiet, under the C
 from __future__ import annotations
 
 import json
-import platform
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from contextlib import suppress
+from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
+from slimkv.bench.engine import machine_info
 from slimkv.model.loader import load_tokenizer
 from slimkv.structured import Grammars, canonical_schema
 
@@ -105,11 +106,11 @@ def main() -> None:
             if row:
                 results.append(row)
                 print(row)
-    import llguidance
-    versions = {"llguidance": getattr(llguidance, "__version__", "1.9.1")}
-    out = {"machine": {"cpu": platform.processor() or platform.machine(),
-                       "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-                       "date": datetime.now(timezone.utc).isoformat(timespec="seconds")},
+    versions = {}
+    for lib in ("llguidance", "xgrammar"):
+        with suppress(PackageNotFoundError):
+            versions[lib] = version(lib)
+    out = {"machine": machine_info(),
            "vocab": vocab, "steps": STEPS, "schema": SCHEMA, "versions": versions,
            "results": results}
     with open("bench/results/grammar.json", "w") as f:
