@@ -53,6 +53,9 @@ def add_simulate_cli(bench: argparse._SubParsersAction) -> None:
     f.add_argument("--think-time", type=float, default=30.0)
     f.add_argument("--duration", type=float, default=300.0)
     f.add_argument("--warmup", type=float, default=60.0)
+    f.add_argument("--cards", type=int, default=None,
+                   help="run every load on this many cards (no bisection); rows are merged "
+                   "into the model's fleet JSON, so a long sweep can run in pieces")
     f.set_defaults(func=cmd_fleet)
     r = sub.add_parser("report", help="re-render bench/simulate/results.md from the JSON")
     r.set_defaults(func=cmd_report)
@@ -101,11 +104,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_fleet(args: argparse.Namespace) -> int:
     _quiet()
-    from slimkv.simulate.fleet import fleet_rows
+    from slimkv.simulate.fleet import fleet_rows, merge_rows
 
     result = fleet_rows(args.model, args.device, args.variants, args.sessions,
-                        args.think_time, args.duration, args.warmup)
-    _write(result, args.out_dir / f"fleet-{args.model}-{'-'.join(args.variants)}.json")
+                        args.think_time, args.duration, args.warmup, args.cards)
+    command = "slimkv " + shlex.join(sys.argv[1:])
+    for row in result["rows"]:
+        row["command"] = command
+    path = args.out_dir / f"fleet-{args.model}-{args.device}.json"
+    old = json.loads(path.read_text()) if path.is_file() else None
+    _write(merge_rows(old, result), path)
     return cmd_report(args)
 
 

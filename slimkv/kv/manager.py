@@ -87,7 +87,8 @@ class KVCacheManager:
             seq.num_computed_tokens += len(computed) * self.block_size
             seq.num_cached_tokens = len(computed) * self.block_size
         need = self.num_blocks_needed(seq, num_new_tokens)
-        seq.blocks.extend(self.pool.get_new_blocks(need))
+        if need:   # most decode steps need none: skip the pool (hot in the simulator)
+            seq.blocks.extend(self.pool.get_new_blocks(need))
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Index the blocks whose tokens are all computed by their chained hash; each block

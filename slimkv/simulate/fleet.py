@@ -115,10 +115,11 @@ def cards_needed(card: Card, spec: SessionSpec, num_sessions: int, duration: flo
 
 def fleet_rows(model: str, device_name: str, dtypes: tuple[str, ...],
                sessions: tuple[int, ...], think_time: float, duration: float,
-               warmup: float) -> dict[str, Any]:
+               warmup: float, cards: int | None = None) -> dict[str, Any]:
     """Cards needed per KV dtype: bisection at the smallest load, then each larger load
-    run once at the same sessions per card (and one card fewer per 10 if that still meets
-    the SLO), so the 10,000-session run is timed as it is used."""
+    run once at the same sessions per card, so the 10,000-session run is timed as it is
+    used. With ``cards`` every load runs once on that many cards (no bisection): a long
+    sweep split into pieces, merged by :func:`merge_rows`."""
     from slimkv.simulate.card import Variant
     from slimkv.simulate.costs import device
 
@@ -126,19 +127,38 @@ def fleet_rows(model: str, device_name: str, dtypes: tuple[str, ...],
     rows = []
     for dtype in dtypes:
         card = Card.build(model, device(device_name), Variant(dtype), 4096)
-        first, *rest = sorted(sessions)
-        cards, tried = cards_needed(card, spec, first, duration, warmup,
-                                    max(1, first // 400), max(2, first // 20))
-        result = next((t for t in tried if t["replicas"] == cards), None) or \
-            run_fleet(card, cards, spec, first, duration, warmup)
-        rows.append({"variant": card.variant.name, "sessions": first, "cards": cards,
-                     "result": result, "bisection": [t["replicas"] for t in tried]})
-        for n in rest:
-            scaled = math.ceil(cards * n / first)
-            result = run_fleet(card, scaled, spec, n, duration, warmup)
-            rows.append({"variant": card.variant.name, "sessions": n, "cards": scaled,
-                         "result": result, "bisection": []})
-            print(f"  {card.variant.name}: {n} sessions on {scaled} cards: P99 TTFT "
-                  f"{result['ttft_s']['p99']} s, wall {result['wall_s']} s", flush=True)
+        todo = sorted(sessions)
+        if cards is None:
+            first = todo.pop(0)
+            need, tried = cards_needed(card, spec, first, duration, warmup,
+                                       max(1, first // 400), max(2, first // 20))
+            result = next((t for t in tried if t["replicas"] == need), None) or \
+                run_fleet(card, need, spec, first, duration, warmup)
+            rows.append(_row(card, first, need, result, tried))
+        for n in todo:
+            scaled = cards or math.ceil(rows[-1]["cards"] * n / rows[-1]["sessions"])
+            rows.append(_row(card, n, scaled, run_fleet(card, scaled, spec, n, duration,
+                                                        warmup), []))
     return {"model": model, "device": device_name, "think_time": think_time,
             "duration": duration, "warmup": warmup, "slo_s": TTFT_SLO_S, "rows": rows}
+
+
+def _row(card: Card, sessions: int, cards: int, result: dict[str, Any],
+         tried: list[dict[str, Any]]) -> dict[str, Any]:
+    print(f"  {card.variant.name}: {sessions} sessions on {cards} cards: P99 TTFT "
+          f"{result['ttft_s']['p99']} s, wall {result['wall_s']} s", flush=True)
+    return {"variant": card.variant.name, "sessions": sessions, "cards": cards,
+            "meets_slo": meets_slo(result), "result": result,
+            "bisection": [{"cards": t["replicas"], "p99_ttft_s": t["ttft_s"]["p99"],
+                           "wall_s": t["wall_s"]} for t in tried]}
+
+
+def merge_rows(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """``new``'s rows over ``old``'s (a row is one variant, load and card count), when
+    both ran the same workload; sorted by variant, load, cards."""
+    keys = ("model", "device", "think_time", "duration", "warmup", "slo_s")
+    if old is None or any(old.get(k) != new[k] for k in keys):
+        return new
+    key = lambda r: (r["variant"], r["sessions"], r["cards"])  # noqa: E731
+    rows = {key(r): r for r in old["rows"]} | {key(r): r for r in new["rows"]}
+    return {**new, "rows": [rows[k] for k in sorted(rows)]}

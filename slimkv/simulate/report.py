@@ -73,18 +73,22 @@ def fleet_table(fleet: dict[str, Any]) -> list[str]:
     lines = [f"SLO: P99 TTFT <= {fleet['slo_s']} s; users think {fleet['think_time']} s "
              f"(0.5-1.5x) between turns; {fleet['duration']} s simulated, the first "
              f"{fleet['warmup']} s not measured.", "",
-             "| KV cache | sessions | cards needed | sessions per card | P99 TTFT (s) "
-             "| TPOT P50 (ms) | peak running per card | routed: session / load / kv | wall time (s) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| KV cache | sessions | cards | sessions per card | meets SLO | P99 TTFT (s) "
+             "| TPOT P50 (ms) | peak running per card | routed: session / load / kv "
+             "| wall time (s) | bisection: cards (P99 TTFT s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in fleet["rows"]:
         r = row["result"]
         reasons = r["route_reasons"]
         lines.append(
             f"| {row['variant']} | {row['sessions']} | {row['cards']} | "
-            f"{row['sessions'] / row['cards']:.0f} | {_s(r['ttft_s']['p99'])} | "
+            f"{row['sessions'] / row['cards']:.0f} | {'yes' if row['meets_slo'] else 'no'} | "
+            f"{_s(r['ttft_s']['p99'])} | "
             f"{_ms(r['tpot_s']['p50'])} | {r['peak_running_per_replica']} | "
             f"{reasons.get('session', 0)} / {reasons.get('load', 0)} / {reasons.get('kv', 0)} "
-            f"| {r['wall_s']} |")
+            f"| {r['wall_s']} | "
+            + ", ".join(f"{t['cards']} ({_s(t['p99_ttft_s'])})" for t in row["bisection"])
+            + " |")
     return lines + [""]
 
 
