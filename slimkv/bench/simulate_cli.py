@@ -56,6 +56,8 @@ def add_simulate_cli(bench: argparse._SubParsersAction) -> None:
     f.add_argument("--cards", type=int, default=None,
                    help="run every load on this many cards (no bisection); rows are merged "
                    "into the model's fleet JSON, so a long sweep can run in pieces")
+    f.add_argument("--cards-range", type=_csv(int), default=None,
+                   help="LOW,HIGH: the bisection's card counts (default: load/400 to load/20)")
     f.set_defaults(func=cmd_fleet)
     r = sub.add_parser("report", help="re-render bench/simulate/results.md from the JSON")
     r.set_defaults(func=cmd_report)
@@ -107,7 +109,8 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     from slimkv.simulate.fleet import fleet_rows, merge_rows
 
     result = fleet_rows(args.model, args.device, args.variants, args.sessions,
-                        args.think_time, args.duration, args.warmup, args.cards)
+                        args.think_time, args.duration, args.warmup, args.cards,
+                        args.cards_range)
     command = "slimkv " + shlex.join(sys.argv[1:])
     for row in result["rows"]:
         row["command"] = command

@@ -115,10 +115,12 @@ def cards_needed(card: Card, spec: SessionSpec, num_sessions: int, duration: flo
 
 def fleet_rows(model: str, device_name: str, dtypes: tuple[str, ...],
                sessions: tuple[int, ...], think_time: float, duration: float,
-               warmup: float, cards: int | None = None) -> dict[str, Any]:
+               warmup: float, cards: int | None = None,
+               cards_range: tuple[int, int] | None = None) -> dict[str, Any]:
     """Cards needed per KV dtype: bisection at the smallest load, then each larger load
     run once at the same sessions per card, so the 10,000-session run is timed as it is
-    used. With ``cards`` every load runs once on that many cards (no bisection): a long
+    used (``cards_range``: the bisection's bounds, default 1/400 to 1/20 of the load). With
+    ``cards`` every load runs once on that many cards (no bisection): a long
     sweep split into pieces, merged by :func:`merge_rows`."""
     from slimkv.simulate.card import Variant
     from slimkv.simulate.costs import device
@@ -130,8 +132,8 @@ def fleet_rows(model: str, device_name: str, dtypes: tuple[str, ...],
         todo = sorted(sessions)
         if cards is None:
             first = todo.pop(0)
-            need, tried = cards_needed(card, spec, first, duration, warmup,
-                                       max(1, first // 400), max(2, first // 20))
+            low, high = cards_range or (max(1, first // 400), max(2, first // 20))
+            need, tried = cards_needed(card, spec, first, duration, warmup, low, high)
             result = next((t for t in tried if t["replicas"] == need), None) or \
                 run_fleet(card, need, spec, first, duration, warmup)
             rows.append(_row(card, first, need, result, tried))
