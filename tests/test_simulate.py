@@ -213,6 +213,24 @@ def test_fleet_rows_merge_by_variant_load_and_cards():
     assert merge_rows({**old, "think_time": 10.0}, new) == new   # another workload: replaced
 
 
+def test_case_pieces_merge_in_variant_order():
+    from slimkv.simulate.capacity import merge_case
+
+    spec = {"model": "m", "levels": [8, 16]}
+    v = lambda name, n: {"variant": name, "sessions_served": n}  # noqa: E731
+    a = merge_case(None, {"spec": spec, "command": "a", "elapsed_s": 1.0,
+                          "variants": [v("int8 paged", 40)], "policies": []})
+    b = {"spec": spec, "command": "b", "elapsed_s": 2.0, "policies": [{"policy": "p"}],
+         "variants": [v("bf16 contiguous", 20), v("int8 paged", 41)]}
+    m = merge_case(a, b)
+    assert [(x["variant"], x["sessions_served"]) for x in m["variants"]] == [
+        ("bf16 contiguous", 20), ("int8 paged", 41)]
+    assert m["policies"] == [{"policy": "p"}] and m["elapsed_s"] == 3.0
+    assert [p["command"] for p in m["pieces"]] == ["a", "b"]
+    assert merge_case(a, {**b, "spec": {**spec, "levels": [8]}})["pieces"] == [
+        {"command": "b", "elapsed_s": 2.0}]          # another spec: starts over
+
+
 def test_fleet_keeps_sessions_home_and_finishes_turns():
     from slimkv.simulate.card import Card, Variant
     from slimkv.simulate.costs import device

@@ -38,6 +38,12 @@ def add_simulate_cli(bench: argparse._SubParsersAction) -> None:
     c.add_argument("--duration", type=float, default=300.0, help="simulated seconds per level")
     c.add_argument("--warmup", type=float, default=60.0)
     c.add_argument("--policy-level", type=int, default=128)
+    c.add_argument("--variants", type=_csv(str), default=None,
+                   help="KV layouts to sweep, e.g. bfloat16:contiguous,bfloat16,int8,fp8_e4m3,"
+                   "int4 (default: all five); results merge into the case's JSON, so a long "
+                   "case runs in pieces")
+    c.add_argument("--policies", type=_csv(str), default=("bfloat16", "int8", "int4"),
+                   help="KV dtypes of the policy table ('' for none)")
     c.set_defaults(func=cmd_case)
     k = sub.add_parser("calibrate", help="fit the CPU step model to the real engine (slow)")
     k.add_argument("--kv-dtypes", type=_csv(str), default=("bfloat16", "int8"))
@@ -74,12 +80,18 @@ def _write(obj: dict, path: Path) -> None:
 
 def cmd_case(args: argparse.Namespace) -> int:
     _quiet()
-    from slimkv.simulate.capacity import CaseSpec, run_case
+    from slimkv.simulate.capacity import VARIANTS, CaseSpec, merge_case, run_case
+    from slimkv.simulate.card import Variant
 
     spec = CaseSpec(args.model, args.device, args.context, args.doc_tokens, args.max_tokens,
                     args.levels, args.duration, args.warmup)
-    result = run_case(spec, policy_level=args.policy_level)
-    _write(result, args.out_dir / f"case-{args.model}-{args.device}.json")
+    variants = VARIANTS if args.variants is None else tuple(
+        Variant(v.split(":")[0], not v.endswith(":contiguous")) for v in args.variants)
+    result = run_case(spec, variants, args.policy_level, policy_dtypes=args.policies)
+    result["command"] = "slimkv " + shlex.join(sys.argv[1:])
+    path = args.out_dir / f"case-{args.model}-{args.device}.json"
+    old = json.loads(path.read_text()) if path.is_file() else None
+    _write(merge_case(old, result), path)
     return cmd_report(args)
 
 

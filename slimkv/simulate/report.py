@@ -39,8 +39,10 @@ def case_table(case: dict[str, Any]) -> list[str]:
     for v in case["variants"]:
         lines.append(f"| {v['variant']} | " + " | ".join(
             f"{_s(lv['ttft_s']['p99'])} ({lv['peak_running']})" for lv in v["levels"]) + " |")
-    lines += ["", "(in brackets: the most sessions running at once)", "",
-              f"What each policy changes, at {case['policies'][0]['concurrency']} clients:", "",
+    lines += ["", "(in brackets: the most sessions running at once)", ""]
+    if not case["policies"]:
+        return lines
+    lines += [f"What each policy changes, at {case['policies'][0]['concurrency']} clients:", "",
               "| configuration | sessions running (peak) | KV peak | preemptions "
               "| P50 / P99 TTFT (s) | TPOT P50 (ms) | out tok/s |", "|---|---|---|---|---|---|---|"]
     for p in case["policies"]:
@@ -133,8 +135,9 @@ def write_results(out_dir: Path) -> list[Path]:
         case = json.loads(path.read_text())
         png = plot_case(case, path.with_suffix(".png"))
         written.append(png)
-        lines += ["## " + path.stem, "", f"`{case['command']}` (took {case['elapsed_s']} s)",
-                  ""] + case_table(case) + [f"![{path.stem}]({png.name})", ""]
+        runs = case.get("pieces") or [{"command": case["command"], "elapsed_s": case["elapsed_s"]}]
+        lines += ["## " + path.stem, ""] + [f"`{r['command']}` (took {r['elapsed_s']} s)  "
+                                            for r in runs] + [""] + case_table(case) + [f"![{path.stem}]({png.name})", ""]
     for fleet in sorted(out_dir.glob("fleet-*.json")):
         data = json.loads(fleet.read_text())
         lines += [f"## Fleet: {data['model']} on {data['device']} replicas", "",
