@@ -111,8 +111,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         e = runs[-1]["step_error_test"]
         print(f"  {dtype}: held-out decode step error median {e['decode'].get('median')}, "
               f"all steps {e['all']['median']}", flush=True)
-    _write({"machine": machine_info(), "workload": dataclasses.asdict(spec), "runs": runs},
-           args.out_dir / "calibration.json")
+    path, machine = args.out_dir / "calibration.json", machine_info()
+    for run in runs:   # each run keeps its own command and machine: dtypes run in pieces
+        run.update(command="slimkv " + shlex.join(sys.argv[1:]), machine=machine)
+    old = json.loads(path.read_text())["runs"] if path.is_file() else []
+    new = {r["kv_dtype"] for r in runs}
+    runs = [r for r in old if r["kv_dtype"] not in new] + runs
+    _write({"machine": machine, "workload": dataclasses.asdict(spec), "runs": runs}, path)
     return cmd_report(args)
 
 

@@ -131,6 +131,8 @@ def write_results(out_dir: Path) -> list[Path]:
         data = json.loads(cal.read_text())
         lines += ["## Calibration on this CPU (the real engine vs the simulator)", "",
                   f"`{data['command']}`", ""] + calibration_table(data["runs"])
+        lines += [f"- {r['kv_dtype']}: `{r['command']}` ({r['machine'].get('date', '')})"
+                  for r in data["runs"] if "command" in r] + [""]
     for path in sorted(out_dir.glob("case-*.json")):
         case = json.loads(path.read_text())
         png = plot_case(case, path.with_suffix(".png"))
