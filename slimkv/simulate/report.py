@@ -118,6 +118,34 @@ def plot_case(case: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def plot_fleet(fleet: dict[str, Any], path: Path) -> Path:
+    """P99 TTFT against sessions per card, per KV dtype: every fleet run (bisection
+    included), the SLO as a line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for variant in sorted({r["variant"] for r in fleet["rows"]}):
+        rows = [r for r in fleet["rows"] if r["variant"] == variant]
+        for n in sorted({r["sessions"] for r in rows}):
+            pts = {t["cards"]: t["p99_ttft_s"] for r in rows if r["sessions"] == n
+                   for t in r["bisection"]}
+            pts |= {r["cards"]: r["result"]["ttft_s"]["p99"] for r in rows if r["sessions"] == n}
+            xs = sorted(pts, reverse=True)
+            ax.plot([n / c for c in xs], [pts[c] for c in xs], marker="o",
+                    label=f"{variant}, {n} sessions")
+    ax.axhline(fleet["slo_s"], color="grey", linestyle="--", label=f"SLO {fleet['slo_s']} s")
+    ax.set(xlabel="sessions per card", ylabel="P99 TTFT (s)", yscale="log",
+           title=f"{fleet['model']} on {fleet['device']} replicas, think {fleet['think_time']} s")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_results(out_dir: Path) -> list[Path]:
     """Render ``results.md`` (and the case plots) from whatever JSON ``out_dir`` holds."""
     import json
@@ -142,8 +170,12 @@ def write_results(out_dir: Path) -> list[Path]:
                                             for r in runs] + [""] + case_table(case) + [f"![{path.stem}]({png.name})", ""]
     for fleet in sorted(out_dir.glob("fleet-*.json")):
         data = json.loads(fleet.read_text())
-        lines += [f"## Fleet: {data['model']} on {data['device']} replicas", "",
-                  f"`{data['command']}`", ""] + fleet_table(data)
+        png = plot_fleet(data, fleet.with_suffix(".png"))
+        written.append(png)
+        commands = dict.fromkeys(r.get("command", data["command"]) for r in data["rows"])
+        lines += [f"## Fleet: {data['model']} on {data['device']} replicas", ""]
+        lines += [f"`{c}`  " for c in commands] + [""] + fleet_table(data)
+        lines += [f"![{fleet.stem}]({png.name})", ""]
     out = out_dir / "results.md"
     out.write_text("\n".join(lines) + "\n")
     return written + [out]
