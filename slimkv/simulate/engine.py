@@ -125,18 +125,23 @@ class SimEngine:
         self.num_steps += 1
         record = StepRecord(self.num_steps)
         self._expire_sessions()
-        before = {id(s) for s in self.scheduler.running}
+        num_before = len(self.scheduler.running)
         out = self.scheduler.schedule()
-        record.admitted = [s.request_id for s in self.scheduler.running if id(s) not in before]
+        # Admissions are appended to ``running``, and only in a step that preempted none.
+        record.admitted = [] if out.preempted else [
+            s.request_id for s in self.scheduler.running[num_before:]]
         record.preempted = [s.request_id for s in out.preempted]
         if not out.scheduled:
             return record, []
-        for seq, _ in out.scheduled:
+        new_tokens, context, sampled = [], [], []
+        for seq, n in out.scheduled:
             if seq.scheduled_time is None:
                 seq.scheduled_time = self.now
-        sampled = [seq for seq, n in out.scheduled if seq.num_computed_tokens + n == seq.num_tokens]
-        batch = Batch(tuple(n for _, n in out.scheduled),
-                      tuple(seq.num_computed_tokens for seq, _ in out.scheduled), len(sampled))
+            new_tokens.append(n)
+            context.append(seq.num_computed_tokens)
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                sampled.append(seq)
+        batch = Batch(tuple(new_tokens), tuple(context), len(sampled))
         record.num_tokens, record.batch = batch.num_tokens, batch
         record.duration = self.step_time(batch)
         self.now += record.duration

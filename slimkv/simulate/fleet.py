@@ -37,6 +37,9 @@ def run_fleet(card: Card, num_replicas: int, spec: SessionSpec, num_sessions: in
     busy: list[tuple[float, int]] = []
     inflight: dict[str, tuple[Any, Client]] = {}
     ttft, tpot, reasons, peak_running = [], [], {}, [0] * num_replicas
+    # A replica's load changes only when it steps or takes a request: kept per replica,
+    # not rebuilt for every turn (N x turns at 10,000 sessions).
+    loads = [_load(n, e) for n, e in zip(names, engines)]
     while True:
         t_client = ready[0][0] if ready else math.inf
         t_step = busy[0][0] if busy else math.inf
@@ -45,8 +48,6 @@ def run_fleet(card: Card, num_replicas: int, spec: SessionSpec, num_sessions: in
         if t_client <= t_step:
             client = clients[heapq.heappop(ready)[1]]
             turn = client.next_turn(t_client)
-            loads = [ReplicaLoad(n, e.num_running + e.num_waiting, e.pool.usage,
-                                 e.scheduler.watermark_alert) for n, e in zip(names, engines)]
             decision = route(RouteKeys(turn.session), loads, index, balance)
             reasons[decision.reason] = reasons.get(decision.reason, 0) + 1
             r = int(decision.replica[1:])
@@ -58,11 +59,13 @@ def run_fleet(card: Card, num_replicas: int, spec: SessionSpec, num_sessions: in
                                                            ignore_eos=True),
                                turn.request_id, turn.session)
             inflight[turn.request_id] = (turn, client)
+            loads[r] = _load(names[r], engine)
             continue
         _, r = heapq.heappop(busy)
         engine = engines[r]
         _, finished = engine.step()
         peak_running[r] = max(peak_running[r], engine.num_running)
+        loads[r] = _load(names[r], engine)
         for f in finished:
             turn, client = inflight.pop(f.request_id)
             if turn.sent >= warmup:
@@ -82,6 +85,11 @@ def run_fleet(card: Card, num_replicas: int, spec: SessionSpec, num_sessions: in
             "peak_running_per_replica": max(peak_running),
             "preemptions": sum(e.scheduler.num_preemptions for e in engines),
             "route_reasons": reasons, "wall_s": round(time.monotonic() - wall, 1)}
+
+
+def _load(name: str, engine) -> ReplicaLoad:
+    return ReplicaLoad(name, engine.num_running + engine.num_waiting, engine.pool.usage,
+                       engine.scheduler.watermark_alert)
 
 
 def _first_token(engines, request_id: str) -> float | None:
