@@ -9,8 +9,10 @@ step of the replica whose clock is furthest behind.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
+import sys
 import time
 from typing import Any
 
@@ -40,11 +42,18 @@ def run_fleet(card: Card, num_replicas: int, spec: SessionSpec, num_sessions: in
     # A replica's load changes only when it steps or takes a request: kept per replica,
     # not rebuilt for every turn (N x turns at 10,000 sessions).
     loads = [_load(n, e) for n, e in zip(names, engines)]
+    gc.collect()
+    gc.freeze()     # the pools' blocks live for the whole run: keep them out of GC scans
+    next_report = 60.0
     while True:
         t_client = ready[0][0] if ready else math.inf
         t_step = busy[0][0] if busy else math.inf
         if min(t_client, t_step) >= duration:
             break
+        if min(t_client, t_step) >= next_report:
+            print(f"    {num_sessions} sessions on {num_replicas} cards: {next_report:.0f} s "
+                  f"simulated, {time.monotonic() - wall:.0f} s wall", file=sys.stderr, flush=True)
+            next_report += 60.0
         if t_client <= t_step:
             client = clients[heapq.heappop(ready)[1]]
             turn = client.next_turn(t_client)
@@ -76,6 +85,7 @@ def run_fleet(card: Card, num_replicas: int, spec: SessionSpec, num_sessions: in
             heapq.heappush(ready, (client.ready_at, client.index))
         if engine.has_unfinished():
             heapq.heappush(busy, (engine.now, r))
+    gc.unfreeze()
     unserved = [duration - turn.sent for turn, _ in inflight.values()
                 if turn.sent >= warmup and _first_token(engines, turn.request_id) is None]
     ttft_all = ttft + unserved
