@@ -131,7 +131,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     command = "slimkv " + shlex.join(sys.argv[1:])
     for row in result["rows"]:
         row["command"] = command
-    path = args.out_dir / f"fleet-{args.model}-{args.device}.json"
+    path = args.out_dir / f"fleet-{args.model}-{args.device}-{args.duration:g}s.json"
     old = json.loads(path.read_text()) if path.is_file() else None
     _write(merge_rows(old, result), path)
     return cmd_report(args)

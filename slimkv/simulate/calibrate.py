@@ -17,8 +17,6 @@ import numpy as np
 
 from slimkv.config import Config
 from slimkv.engine import LLMEngine
-from slimkv.model.loader import read_model_args
-from slimkv.planner import model_weight_bytes
 from slimkv.simulate.costs import Device, ModelCost, StepModel
 from slimkv.simulate.engine import Batch, Finished, SimEngine, StepRecord
 from slimkv.simulate.run import LevelResult, run_level
@@ -78,17 +76,12 @@ class RealEngine:
         return record, finished
 
 
-def cpu_cost(config: Config) -> ModelCost:
-    """The embedded model's cost terms at the engine's own weight and KV dtypes."""
-    import torch
-
-    from slimkv.runner import resolve_device, resolve_dtype
-
-    args = read_model_args(config.model.path)
-    dtype = resolve_dtype(config.model.dtype, resolve_device(config.model.device))
-    kv = config.kv_cache
-    return ModelCost.of(args, model_weight_bytes(args, dtype), kv.key_dtype, kv.value_dtype,
-                        kv.k_scale, kv.block_size)
+def cpu_cost(runner) -> ModelCost:
+    """The engine's own cost terms: its model's shapes, the bytes its weights really take
+    (the weights class it loaded) and its resolved K and V dtypes."""
+    kv = runner.config.kv_cache
+    return ModelCost.of(runner.model_args, runner.memory_split()["weights"], runner.k_dtype,
+                        runner.v_dtype, kv.k_scale, kv.block_size)
 
 
 FEATURES = ("steps", "sequences", "bytes", "linear_flops", "attention_pairs")
@@ -136,12 +129,12 @@ def calibrate(config: Config, spec: SessionSpec, fit_level: int, test_level: int
               duration: float) -> dict[str, Any]:
     """Measure ``fit_level`` and ``test_level`` on the real engine, fit on the first,
     predict the second with the simulator (same config, same pool)."""
-    cost = cpu_cost(config)
     measured: dict[int, LevelResult] = {}
     for level in (fit_level, test_level):
         real = RealEngine(config)
         run_level(real, spec, 2, 2.0)                 # warm the kernels up
         real = RealEngine(config)
+        cost = cpu_cost(real.engine.runner)
         measured[level] = run_level(real, spec, level, duration, keep_steps=True)
         pool_blocks, soft = real.pool.num_blocks, real.engine.runner.num_staging_slots
     dev = fit_cpu(measured[fit_level].steps, cost)
