@@ -6,6 +6,7 @@ decisions at every step: who is admitted, preempted and finished, and how many t
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -15,7 +16,7 @@ from slimkv.kv.block_pool import BlockPool
 from slimkv.kv.manager import KVCacheManager
 from slimkv.sampling_params import SamplingParams
 from slimkv.sequence import Sequence
-from slimkv.simulate.engine import Batch, SimEngine
+from slimkv.simulate.engine import Batch, SimEngine, StepRecord
 
 
 def workload(seed: int = 0) -> list[tuple[int, str, list[int], int, str | None]]:
@@ -69,18 +70,27 @@ def decisions_real(cfg: Config) -> list[tuple]:
     return trace
 
 
-def decisions_sim(cfg: Config) -> list[tuple]:
-    sim = SimEngine(cfg.kv_cache, cfg.scheduler, cfg.kv_cache.num_blocks,
-                    cfg.model.max_model_len, lambda b: 0.01 + 0.001 * b.num_tokens)
+def sim_engine(cfg: Config, max_model_len: int | None) -> SimEngine:
+    return SimEngine(cfg.kv_cache, cfg.scheduler, cfg.kv_cache.num_blocks, max_model_len,
+                     lambda b: 0.01 + 0.001 * b.num_tokens)
+
+
+def replay(sim: SimEngine, row: Callable[[StepRecord], tuple]) -> list[tuple]:
+    """Run the workload on ``sim`` (each request at its step), one ``row`` per step."""
     trace, pending = [], workload()
     while pending or sim.has_unfinished():
         while pending and pending[0][0] <= sim.num_steps:
             _, rid, ids, n, session = pending.pop(0)
             sim.add_request(ids, SamplingParams(max_tokens=n, ignore_eos=True), rid, session)
-        record, finished = sim.step()
-        trace.append((record.step, sorted(record.admitted), sorted(record.preempted),
-                      sorted(record.finished), record.num_tokens))
+        record, _ = sim.step()
+        trace.append(row(record))
     return trace
+
+
+def decisions_sim(cfg: Config) -> list[tuple]:
+    return replay(sim_engine(cfg, cfg.model.max_model_len),
+                  lambda r: (r.step, sorted(r.admitted), sorted(r.preempted),
+                             sorted(r.finished), r.num_tokens))
 
 
 @pytest.mark.slow
@@ -119,19 +129,11 @@ def test_skipping_session_expiry_scans_changes_nothing():
     cfg = config(True, policy="weighted").replace("kv_cache", session_ttl_s=0.3)
 
     def trace(every_step: bool) -> list[tuple]:
-        sim = SimEngine(cfg.kv_cache, cfg.scheduler, cfg.kv_cache.num_blocks, 512,
-                        lambda b: 0.01 + 0.001 * b.num_tokens)
+        sim = sim_engine(cfg, 512)
         if every_step:
             sim._expire_sessions = sim.manager.expire_sessions
-        out, pending = [], workload()
-        while pending or sim.has_unfinished():
-            while pending and pending[0][0] <= sim.num_steps:
-                _, rid, ids, n, session = pending.pop(0)
-                sim.add_request(ids, SamplingParams(max_tokens=n, ignore_eos=True), rid, session)
-            record, _ = sim.step()
-            out.append((record.admitted, record.preempted, record.finished, record.num_tokens,
-                        len(sim.pool.protected), sorted(sim.manager.sessions)))
-        return out
+        return replay(sim, lambda r: (r.admitted, r.preempted, r.finished, r.num_tokens,
+                                      len(sim.pool.protected), sorted(sim.manager.sessions)))
 
     every, gated = trace(True), trace(False)
     assert every == gated
