@@ -1,5 +1,5 @@
-"""One decode step's matmuls at 1-32 rows: the int8 dot-product kernel, dequantize + GEMM,
-and bf16-resident weights (reference), with SmolLM2-135M's shapes (30 layers of Q4_1
+"""One decode step's matmuls at 1-32 rows: the int8 dot-product kernel (int8 activations,
+and PRECISE: int8 + int8 residual), dequantize + GEMM, and bf16-resident weights (reference), with SmolLM2-135M's shapes (30 layers of Q4_1
 QKV / O / gate-up / down, the Q8_0 49,152 x 576 head). Random codes: speed only.
 
     flock /tmp/slimkv-cpu.lock .venv/bin/python scripts/bench_qgemm_step.py [ROWS ...]
@@ -13,7 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from slimkv.kernels.qgemm import qgemm_kernel
+from slimkv.kernels.qgemm import PLAIN, PRECISE, qgemm_kernel
 from slimkv.model.quant import QuantTensor
 
 HIDDEN, FFN, LAYERS, VOCAB = 576, 1536, 30, 49152
@@ -34,9 +34,12 @@ def main(rows: list[int]) -> None:
     floats = [torch.randn(w.shape).bfloat16() for w in quant]
     x = {k: torch.randn(64, k) for k in (HIDDEN, FFN)}
 
-    def step_kernel(m: int) -> None:
+    def step_kernel(m: int, mode: int = PLAIN) -> None:
         for w in quant:
-            kernel(x[w.shape[1]][:m], w.q, w.d, w.m, w.bits)
+            kernel(x[w.shape[1]][:m], w.q, w.d, w.m, w.bits, mode=mode)
+
+    def step_precise(m: int) -> None:
+        step_kernel(m, PRECISE)
 
     def step_dequant(m: int) -> None:
         for w in quant:
@@ -47,10 +50,10 @@ def main(rows: list[int]) -> None:
         for w in floats:
             F.linear(x[w.shape[1]][:m].bfloat16(), w).float()
 
-    print("rows  kernel_ms  dequant+gemm_ms  bf16_resident_ms")
+    print("rows  kernel_ms  precise_ms  dequant+gemm_ms  bf16_resident_ms")
     for m in rows:
-        ms = [best_ms(fn, m) for fn in (step_kernel, step_dequant, step_bf16)]
-        print(f"{m:4d} {ms[0]:10.1f} {ms[1]:16.1f} {ms[2]:17.1f}", flush=True)
+        ms = [best_ms(fn, m) for fn in (step_kernel, step_precise, step_dequant, step_bf16)]
+        print(f"{m:4d} {ms[0]:10.1f} {ms[1]:11.1f} {ms[2]:16.1f} {ms[3]:17.1f}", flush=True)
 
 
 def best_ms(fn, m: int, reps: int = 5) -> float:

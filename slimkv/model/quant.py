@@ -112,11 +112,13 @@ class QuantLinear(nn.Module):
     GEMM in ``dtype`` over the weights dequantized for the call, where the GEMM's compute,
     not the weight bytes, is what costs."""
 
-    # Measured crossover (Sapphire Rapids, 2 threads, SmolLM2-135M's 120 projections + the
-    # int8 head, one step; scripts/bench_qgemm_step.py): kernel 16 /
-    # 32 / 59 / 114 ms at 1 / 4 / 8 / 16 rows, dequantize + bf16 GEMM 90 / 94 / 95 / 101 ms.
-    kernel_rows = 12
-    precise = False  # PRECISE activations in the kernel (set per projection by quantize_model)
+    # Measured crossover under the CPU lock (Sapphire Rapids, 2 threads, one step of
+    # SmolLM2-135M's 120 projections + the int8 head; scripts/bench_qgemm_step.py): kernel
+    # 13 / 19 / 30 / 60 / 115 ms at 1 / 4 / 8 / 16 / 32 rows, dequantize + bf16 GEMM ~100 ms.
+    kernel_rows = 24
+    # PRECISE activations (int8 + int8 residual) in the kernel: perplexity +0.002% instead of
+    # +0.6% vs float activations, but a step costs 1.2x at 1 row and 2x at 4+ rows: off.
+    precise = False
 
     def __init__(self, weight: QuantTensor, dtype: torch.dtype, bias: Tensor | None = None) -> None:
         super().__init__()
