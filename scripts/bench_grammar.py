@@ -10,12 +10,14 @@ advances the matchers. Writes bench/results/grammar.json. Run quiet, under the C
 from __future__ import annotations
 
 import json
-import platform
 import time
-from datetime import datetime, timezone
+from collections.abc import Callable
+from contextlib import suppress
+from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
+from slimkv.bench.engine import machine_info
 from slimkv.model.loader import load_tokenizer
 from slimkv.structured import Grammars, canonical_schema
 
@@ -28,6 +30,26 @@ STEPS = 48
 BATCHES = (1, 16)
 
 
+def measure(library: str, compile_s: float, matchers: list, vocab: int, eos: set[int],
+            step: Callable[[torch.Tensor], list[int]], stopped: Callable) -> dict:
+    """Time ``step(logits) -> tokens`` (mask, pick, advance the matchers) over STEPS random
+    [rows, vocab] logits, one row a matcher; a row that ends (EOS or ``stopped``) restarts."""
+    batch = len(matchers)
+    gen = torch.Generator().manual_seed(0)
+    elapsed = 0.0
+    for _ in range(STEPS):
+        logits = torch.randn(batch, vocab, generator=gen)
+        start = time.perf_counter()
+        tokens = step(logits)
+        elapsed += time.perf_counter() - start
+        for m, t in zip(matchers, tokens):
+            if t in eos or stopped(m):
+                m.reset()
+    return {"library": library, "batch": batch, "compile_s": round(compile_s, 4),
+            "step_ms": round(1e3 * elapsed / STEPS, 3),
+            "per_token_ms": round(1e3 * elapsed / STEPS / batch, 3)}
+
+
 def run_llguidance(tok, vocab: int, batch: int) -> dict:
     grammars = Grammars(tok.hf, list(tok.eos_token_ids), vocab)
     schema = canonical_schema(SCHEMA)
@@ -35,22 +57,16 @@ def run_llguidance(tok, vocab: int, batch: int) -> dict:
     grammars.matcher(schema)
     compile_s = time.perf_counter() - start
     matchers = [grammars.matcher(schema) for _ in range(batch)]
-    gen = torch.Generator().manual_seed(0)
     rows = list(range(batch))
-    elapsed = 0.0
-    for _ in range(STEPS):
-        logits = torch.randn(batch, vocab, generator=gen)
-        start = time.perf_counter()
+
+    def step(logits: torch.Tensor) -> list[int]:
         grammars.mask_(logits, rows, matchers)
         tokens = logits.argmax(-1).tolist()
         Grammars.advance(matchers, tokens)
-        elapsed += time.perf_counter() - start
-        for m, t in zip(matchers, tokens):
-            if t in tok.eos_token_ids or m.is_stopped():
-                m.reset()
-    return {"library": "llguidance", "batch": batch, "compile_s": round(compile_s, 4),
-            "step_ms": round(1e3 * elapsed / STEPS, 3),
-            "per_token_ms": round(1e3 * elapsed / STEPS / batch, 3)}
+        return tokens
+
+    return measure("llguidance", compile_s, matchers, vocab, set(tok.eos_token_ids), step,
+                   lambda m: m.is_stopped())
 
 
 def run_xgrammar(tok, vocab: int, batch: int) -> dict | None:
@@ -66,24 +82,18 @@ def run_xgrammar(tok, vocab: int, batch: int) -> dict | None:
     compile_s = time.perf_counter() - start
     matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
     bitmask = xgr.allocate_token_bitmask(batch, vocab)
-    gen = torch.Generator().manual_seed(0)
-    elapsed = 0.0
-    for _ in range(STEPS):
-        logits = torch.randn(batch, vocab, generator=gen)
-        start = time.perf_counter()
+
+    def step(logits: torch.Tensor) -> list[int]:
         for i, m in enumerate(matchers):
             m.fill_next_token_bitmask(bitmask, i)
         xgr.apply_token_bitmask_inplace(logits, bitmask)
         tokens = logits.argmax(-1).tolist()
         for m, t in zip(matchers, tokens):
             m.accept_token(t)
-        elapsed += time.perf_counter() - start
-        for m, t in zip(matchers, tokens):
-            if t in tok.eos_token_ids or m.is_terminated():
-                m.reset()
-    return {"library": "xgrammar", "batch": batch, "compile_s": round(compile_s, 4),
-            "step_ms": round(1e3 * elapsed / STEPS, 3),
-            "per_token_ms": round(1e3 * elapsed / STEPS / batch, 3)}
+        return tokens
+
+    return measure("xgrammar", compile_s, matchers, vocab, set(tok.eos_token_ids), step,
+                   lambda m: m.is_terminated())
 
 
 def main() -> None:
@@ -96,11 +106,11 @@ def main() -> None:
             if row:
                 results.append(row)
                 print(row)
-    import llguidance
-    versions = {"llguidance": getattr(llguidance, "__version__", "1.9.1")}
-    out = {"machine": {"cpu": platform.processor() or platform.machine(),
-                       "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-                       "date": datetime.now(timezone.utc).isoformat(timespec="seconds")},
+    versions = {}
+    for lib in ("llguidance", "xgrammar"):
+        with suppress(PackageNotFoundError):
+            versions[lib] = version(lib)
+    out = {"machine": machine_info(),
            "vocab": vocab, "steps": STEPS, "schema": SCHEMA, "versions": versions,
            "results": results}
     with open("bench/results/grammar.json", "w") as f:

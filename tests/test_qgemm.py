@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from slimkv.kernels.qgemm import PLAIN, RMSNORM, SILU_MUL, qgemm_kernel, qgemm_unavailable_reason
+from slimkv.kernels.qgemm import (PLAIN, PRECISE, RMSNORM, SILU_MUL, qgemm_kernel,
+                                  qgemm_unavailable_reason)
 from slimkv.model.quant import QuantLinear, QuantTensor, cat_rows, from_gguf, quantize
 
 pytestmark = pytest.mark.skipif(qgemm_kernel() is None,
@@ -45,7 +46,7 @@ def _gen(seed: int) -> torch.Generator:
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 5, 9])  # 5, 9: tiles of 4 rows and a remainder
 def test_kernel_equals_the_integer_reference(bits: int, shape: tuple[int, int], rows: int) -> None:
     n, k = shape
     gen = _gen(n + k + bits)
@@ -62,10 +63,37 @@ def test_kernel_equals_the_integer_reference(bits: int, shape: tuple[int, int], 
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows", [1, 2, 3, 9])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_precise_activations_are_within_the_residual_rounding_bound(bits: int, rows: int) -> None:
+    """PRECISE: x = int8 row + int8 residual row; the error against the float64 matmul on
+    the same weights is bounded by half a residual step per value (amax / 127 / 254 per
+    group at most), 254x below the int8 bound; with RMSNorm and residual add on top."""
+    gen, (n, k) = _gen(rows + bits), (70, 576)
+    w = quantize(torch.randn(n, k, generator=gen), bits)
+    x = torch.randn(rows, k, generator=gen) * 3
+    x[:, 5] = 40  # an outlier in group 0
+    kernel, wf = qgemm_kernel(), w.dequantize().double()
+    y = kernel(x, w.q, w.d, w.m, bits, mode=PLAIN | PRECISE)
+    ref = x.double() @ wf.T
+    _, da = quantize_activations(x)
+    bound = (da[:, None, :] / 254 / 2 * wf.abs().view(n, -1, 32).sum(-1)[None]).sum(-1)
+    assert ((y.double() - ref).abs() <= bound * 1.01 + 1e-5 * ref.abs().max()).all()
+    assert (y.double() - ref).abs().max() < (kernel(x, w.q, w.d, w.m, bits).double() - ref).abs().max()
+    norm, residual = Norm(k, gen), torch.randn(rows, n, generator=gen)
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight
+    out = kernel(x, w.q, w.d, w.m, bits, mode=RMSNORM | PRECISE, norm_weight=norm.weight,
+                 eps=norm.eps, out=residual.clone())
+    ref = normed.double() @ wf.T
+    torch.testing.assert_close(out.double(), residual.double() + ref, rtol=1e-4,
+                               atol=1e-4 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 3, 9, QuantLinear.kernel_rows + 1])
 def test_fused_input_modes_and_residual_add(bits: int, rows: int) -> None:
-    """RMSNorm / SiLU-mul on the way in, add into ``out``: the kernel (rows <= 2) and the
-    GEMM path (more rows) both equal torch ops on the dequantized weights."""
+    """RMSNorm / SiLU-mul on the way in, add into ``out``: the kernel (rows <=
+    ``kernel_rows``) and the GEMM path (more rows) both equal torch ops on the dequantized
+    weights."""
     gen, k, n = _gen(rows + bits), 96, 40
     w = quantize(torch.randn(n, k, generator=gen), bits)
     lin, norm, wf = QuantLinear(w, torch.float32), Norm(k, gen), w.dequantize()

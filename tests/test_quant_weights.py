@@ -79,7 +79,7 @@ def _perplexity(llm: LLM, windows_: list[list[int]], chunk: int) -> float:
 @pytest.mark.xfail(strict=True, reason=(
     "measured +0.54% to +0.87% (2 x 512 tokens), +0.31% (1 x 256): the int8 activations of the "
     "decode kernel (per group of 32, llama.cpp's Q8_1) cost more than 0.1% on this 135M "
-    "model; the GEMM path (prefill, > 2 rows) on the same int4/int8 weights is within 2e-5"))
+    "model; the GEMM path (prefill, > QuantLinear.kernel_rows rows) on the same int4/int8 weights is within 2e-5"))
 def test_perplexity_within_a_tenth_of_a_percent_on_the_decode_path(engines) -> None:
     """int4 scored one token per step (the decode kernel's path) vs the dequantized engine."""
     quant, ref = engines

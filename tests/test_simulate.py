@@ -112,6 +112,33 @@ def test_the_workload_preempts_and_hits_the_prefix_cache():
     assert sim.pool.num_free_blocks == sim.pool.num_blocks
 
 
+def test_skipping_session_expiry_scans_changes_nothing():
+    """The simulator scans sessions for expiry only once the oldest could be past its TTL;
+    against a scan every step (what the engine does), the same decisions, the same
+    protected blocks and the same sessions at every step, with sessions expiring."""
+    cfg = config(True, policy="weighted").replace("kv_cache", session_ttl_s=0.3)
+
+    def trace(every_step: bool) -> list[tuple]:
+        sim = SimEngine(cfg.kv_cache, cfg.scheduler, cfg.kv_cache.num_blocks, 512,
+                        lambda b: 0.01 + 0.001 * b.num_tokens)
+        if every_step:
+            sim._expire_sessions = sim.manager.expire_sessions
+        out, pending = [], workload()
+        while pending or sim.has_unfinished():
+            while pending and pending[0][0] <= sim.num_steps:
+                _, rid, ids, n, session = pending.pop(0)
+                sim.add_request(ids, SamplingParams(max_tokens=n, ignore_eos=True), rid, session)
+            record, _ = sim.step()
+            out.append((record.admitted, record.preempted, record.finished, record.num_tokens,
+                        len(sim.pool.protected), sorted(sim.manager.sessions)))
+        return out
+
+    every, gated = trace(True), trace(False)
+    assert every == gated
+    seen = [set(t[5]) for t in every]
+    assert any(a - b for a, b in zip(seen, seen[1:]))    # some session did expire
+
+
 def test_a_full_block_is_offered_to_the_prefix_index_once():
     pool = BlockPool(16)
     manager = KVCacheManager(pool, 4, session_ttl_s=600.0)
@@ -171,6 +198,37 @@ def test_card_pool_is_the_planners():
         card = Card.build("qwen2.5-7b", dev, Variant(dtype), 4096, soft=48)
         p = plan("qwen2.5-7b", dev.memory_bytes, context=4096, sessions=48, kv_dtypes=(dtype,))
         assert card.num_blocks == p.rows[0].num_blocks and card.kv_budget == p.kv_budget
+
+
+def test_fleet_rows_merge_by_variant_load_and_cards():
+    from slimkv.simulate.fleet import merge_rows
+
+    meta = dict(model="m", device="d", think_time=30.0, duration=300.0, warmup=60.0, slo_s=5.0)
+    row = lambda v, n, c, p99: {"variant": v, "sessions": n, "cards": c, "p99": p99}  # noqa: E731
+    old = {**meta, "rows": [row("int8", 1000, 9, 1.0), row("bf16", 1000, 20, 2.0)]}
+    new = {**meta, "rows": [row("int8", 1000, 9, 3.0), row("int8", 10000, 90, 4.0)]}
+    merged = merge_rows(old, new)["rows"]
+    assert [(r["variant"], r["sessions"], r["p99"]) for r in merged] == [
+        ("bf16", 1000, 2.0), ("int8", 1000, 3.0), ("int8", 10000, 4.0)]
+    assert merge_rows({**old, "think_time": 10.0}, new) == new   # another workload: replaced
+
+
+def test_case_pieces_merge_in_variant_order():
+    from slimkv.simulate.capacity import merge_case
+
+    spec = {"model": "m", "levels": [8, 16]}
+    v = lambda name, n: {"variant": name, "sessions_served": n}  # noqa: E731
+    a = merge_case(None, {"spec": spec, "command": "a", "elapsed_s": 1.0,
+                          "variants": [v("int8 paged", 40)], "policies": []})
+    b = {"spec": spec, "command": "b", "elapsed_s": 2.0, "policies": [{"policy": "p"}],
+         "variants": [v("bf16 contiguous", 20), v("int8 paged", 41)]}
+    m = merge_case(a, b)
+    assert [(x["variant"], x["sessions_served"]) for x in m["variants"]] == [
+        ("bf16 contiguous", 20), ("int8 paged", 41)]
+    assert m["policies"] == [{"policy": "p"}] and m["elapsed_s"] == 3.0
+    assert [p["command"] for p in m["pieces"]] == ["a", "b"]
+    assert merge_case(a, {**b, "spec": {**spec, "levels": [8]}})["pieces"] == [
+        {"command": "b", "elapsed_s": 2.0}]          # another spec: starts over
 
 
 def test_fleet_keeps_sessions_home_and_finishes_turns():

@@ -9,11 +9,16 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "slimkv"
 CORE_BUDGET, MODULE_MAX = 3000, 300
-# The path one request takes through one engine: config and defaults, bookkeeping, the KV
-# pool and its formats, attention and the kernel glue, the runner and the engine loop.
+# The path one request takes through one engine (issue 19: model, kv, attention, kernels glue,
+# scheduler, engine/runner, sequence, sampling, outputs, config): config and defaults,
+# bookkeeping, the sampler and its OpenAI options (logit processing, logprobs, n choices,
+# structured output), the model and its weights, the KV pool, its formats and its offload
+# tier, attention and the kernel glue, the runner and the engine loop.
 CORE = ["config.py", "stats.py", "sequence.py", "sampling_params.py", "sampling.py",
-        "outputs.py", "kv/*.py", "metadata.py", "attention.py", "kernels/__init__.py",
-        "scheduler.py", "memory.py", "runner.py", "engine.py", "engine_stats.py"]
+        "logits_process.py", "logprobs.py", "choices.py", "structured.py", "outputs.py",
+        "model/*.py", "kv/*.py", "kv/offload/*.py", "metadata.py", "attention.py",
+        "kernels/*.py", "scheduler.py", "memory.py", "runner.py", "engine.py",
+        "engine_stats.py"]
 
 
 def lines(path: Path) -> int:
@@ -24,8 +29,9 @@ def core_files() -> list[Path]:
     return sorted({path for pattern in CORE for path in PACKAGE.glob(pattern)})
 
 
-# Not met since the 2026-12-02 merges of weights in the file's class (#15), the OpenAI options
-# (#20) and the KV tier (#17): the core as listed is ~3,100 lines. Open in issue 19.
+# Not met: counted as issue 19 defines the core, it is ~5,070 lines; the list this test had
+# before (without model/, kv/offload/, kernels/build and qgemm, and the OpenAI options of
+# #20) came to ~3,100. Open in issue 19 (docs/architecture.md, "The serving core").
 @pytest.mark.xfail(strict=True, reason="serving core over its 3,000-line budget (issue 19)")
 def test_the_serving_core_is_under_its_budget() -> None:
     counts = {str(p.relative_to(PACKAGE)): lines(p) for p in core_files()}

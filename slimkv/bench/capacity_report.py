@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from slimkv.loadtest.report import plot_levels
+from slimkv.loadtest.report import plot_levels, save_figure
 
 STORM_SHARE = 0.1    # preemptions above this share of requests sent: a preemption storm
 FLAT_FACTOR = 2.0    # "flat": P99 TTFT within this factor of the lowest level's
@@ -162,13 +162,7 @@ def plot_capacity(result: dict[str, Any], path: Path) -> None:
     ax_run.set(xlabel="concurrent sessions offered", ylabel="running (peak)",
                title="sessions served at once")
     ax_kv.set(xlabel="concurrent sessions offered", ylabel="MiB", title="KV cache in use (peak)")
-    for ax in (ax_run, ax_kv):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, (ax_run, ax_kv), path, legend_size=7)
 
 
 def render(result: dict[str, Any], rows: list[dict[str, Any]], command: str) -> str:

@@ -59,13 +59,20 @@ def bench_engine(config: Config, kv_dtypes: list[str], prompt_lens: list[int],
         "context": context, "new_tokens": new_tokens}, "results": results}
 
 
+ISA = {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8"}
+
+
 def machine_info() -> dict[str, Any]:
-    cpu = platform.processor()
+    """The CPU (model name and the ISA extensions our kernels and the peers care about)."""
+    cpu, flags = platform.processor(), set()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
+            info = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in f
+                                                      if ":" in line)}
+        cpu, flags = info.get("model name", cpu), set(info.get("flags", "").split())
+    except OSError:
         pass
-    return {"cpu": cpu, "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+    return {"cpu": cpu, "isa": sorted(flags & ISA), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 

@@ -23,7 +23,7 @@ from slimkv.bench.engine import machine_info
 from slimkv.config import Config
 from slimkv.engine import LLMEngine
 from slimkv.sampling import SamplingParams
-from slimkv.stats import percentile
+from slimkv.stats import cdiv, percentile
 
 MODES = ("off", "host", "disk")
 
@@ -40,7 +40,7 @@ class Workload:
 
     def pool_blocks(self, block_size: int) -> int:
         session = self.doc_tokens + (self.turns + 2) * (self.user_tokens + self.answer_tokens)
-        return self.pool_sessions * (-(-session // block_size) + 8)
+        return self.pool_sessions * (cdiv(session, block_size) + 8)
 
 
 def run_turn(engine: LLMEngine, prompt: list[int], session: int, answer: int) -> dict[str, Any]:

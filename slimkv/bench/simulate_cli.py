@@ -38,6 +38,12 @@ def add_simulate_cli(bench: argparse._SubParsersAction) -> None:
     c.add_argument("--duration", type=float, default=300.0, help="simulated seconds per level")
     c.add_argument("--warmup", type=float, default=60.0)
     c.add_argument("--policy-level", type=int, default=128)
+    c.add_argument("--variants", type=_csv(str), default=None,
+                   help="KV layouts to sweep, e.g. bfloat16:contiguous,bfloat16,int8,fp8_e4m3,"
+                   "int4 (default: all five); results merge into the case's JSON, so a long "
+                   "case runs in pieces")
+    c.add_argument("--policies", type=_csv(str), default=("bfloat16", "int8", "int4"),
+                   help="KV dtypes of the policy table ('' for none)")
     c.set_defaults(func=cmd_case)
     k = sub.add_parser("calibrate", help="fit the CPU step model to the real engine (slow)")
     k.add_argument("--kv-dtypes", type=_csv(str), default=("bfloat16", "int8"))
@@ -53,6 +59,11 @@ def add_simulate_cli(bench: argparse._SubParsersAction) -> None:
     f.add_argument("--think-time", type=float, default=30.0)
     f.add_argument("--duration", type=float, default=300.0)
     f.add_argument("--warmup", type=float, default=60.0)
+    f.add_argument("--cards", type=int, default=None,
+                   help="run every load on this many cards (no bisection); rows are merged "
+                   "into the model's fleet JSON, so a long sweep can run in pieces")
+    f.add_argument("--cards-range", type=_csv(int), default=None,
+                   help="LOW,HIGH: the bisection's card counts (default: load/400 to load/20)")
     f.set_defaults(func=cmd_fleet)
     r = sub.add_parser("report", help="re-render bench/simulate/results.md from the JSON")
     r.set_defaults(func=cmd_report)
@@ -69,12 +80,18 @@ def _write(obj: dict, path: Path) -> None:
 
 def cmd_case(args: argparse.Namespace) -> int:
     _quiet()
-    from slimkv.simulate.capacity import CaseSpec, run_case
+    from slimkv.simulate.capacity import VARIANTS, CaseSpec, merge_case, run_case
+    from slimkv.simulate.card import Variant
 
     spec = CaseSpec(args.model, args.device, args.context, args.doc_tokens, args.max_tokens,
                     args.levels, args.duration, args.warmup)
-    result = run_case(spec, policy_level=args.policy_level)
-    _write(result, args.out_dir / f"case-{args.model}-{args.device}.json")
+    variants = VARIANTS if args.variants is None else tuple(
+        Variant(v.split(":")[0], not v.endswith(":contiguous")) for v in args.variants)
+    result = run_case(spec, variants, args.policy_level, policy_dtypes=args.policies)
+    result["command"] = "slimkv " + shlex.join(sys.argv[1:])
+    path = args.out_dir / f"case-{args.model}-{args.device}.json"
+    old = json.loads(path.read_text()) if path.is_file() else None
+    _write(merge_case(old, result), path)
     return cmd_report(args)
 
 
@@ -94,18 +111,29 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         e = runs[-1]["step_error_test"]
         print(f"  {dtype}: held-out decode step error median {e['decode'].get('median')}, "
               f"all steps {e['all']['median']}", flush=True)
-    _write({"machine": machine_info(), "workload": dataclasses.asdict(spec), "runs": runs},
-           args.out_dir / "calibration.json")
+    path, machine = args.out_dir / "calibration.json", machine_info()
+    for run in runs:   # each run keeps its own command and machine: dtypes run in pieces
+        run.update(command="slimkv " + shlex.join(sys.argv[1:]), machine=machine)
+    old = json.loads(path.read_text())["runs"] if path.is_file() else []
+    new = {r["kv_dtype"] for r in runs}
+    runs = [r for r in old if r["kv_dtype"] not in new] + runs
+    _write({"machine": machine, "workload": dataclasses.asdict(spec), "runs": runs}, path)
     return cmd_report(args)
 
 
 def cmd_fleet(args: argparse.Namespace) -> int:
     _quiet()
-    from slimkv.simulate.fleet import fleet_rows
+    from slimkv.simulate.fleet import fleet_rows, merge_rows
 
     result = fleet_rows(args.model, args.device, args.variants, args.sessions,
-                        args.think_time, args.duration, args.warmup)
-    _write(result, args.out_dir / f"fleet-{args.model}-{'-'.join(args.variants)}.json")
+                        args.think_time, args.duration, args.warmup, args.cards,
+                        args.cards_range)
+    command = "slimkv " + shlex.join(sys.argv[1:])
+    for row in result["rows"]:
+        row["command"] = command
+    path = args.out_dir / f"fleet-{args.model}-{args.device}.json"
+    old = json.loads(path.read_text()) if path.is_file() else None
+    _write(merge_rows(old, result), path)
     return cmd_report(args)
 
 

@@ -25,15 +25,19 @@
 #define QG_NATIVE 0
 #endif
 
-enum { IN_PLAIN = 0, IN_RMSNORM = 1, IN_SILU_MUL = 2 };
+enum { IN_PLAIN = 0, IN_RMSNORM = 1, IN_SILU_MUL = 2, IN_PRECISE = 4 }; /* 4: OR'ed flag */
 enum { MT = 4 }; /* activation rows per weight pass */
 
 int qgemm_native(void) { return QG_NATIVE; }
 
 /* Row m of the input as the matmul sees it (normalised / SiLU-multiplied), then int8 per
- * group of 32: qa [K], ad [K/32], as [K/32]. */
+ * group of 32: qa [K], ad [K/32], as [K/32]. IN_PRECISE: the rounding residual is quantized
+ * too, as a second row (qa + K, ad + K/32, as + K/32), and the two rows' outputs are summed:
+ * ~15-bit activations at the cost of a second dot product per weight load. */
 static void quantize_row(const float *x, int K, int mode, const float *norm_w, float eps,
                          float *tmp, int8_t *qa, float *ad, float *as) {
+    int precise = mode & IN_PRECISE;
+    mode &= ~IN_PRECISE;
     if (mode == IN_RMSNORM) {
         float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
@@ -45,7 +49,7 @@ static void quantize_row(const float *x, int K, int mode, const float *norm_w, f
 #pragma omp simd
         for (int k = 0; k < K; k++) tmp[k] = x[k] / (1.0f + expf(-x[k])) * x[K + k];
     } else {
-        memcpy(tmp, x, sizeof(float) * K);
+        memmove(tmp, x, sizeof(float) * K);
     }
     for (int b = 0; b < K / 32; b++) {
         const float *v = tmp + b * 32;
@@ -63,6 +67,10 @@ static void quantize_row(const float *x, int K, int mode, const float *norm_w, f
         ad[b] = d;
         as[b] = d * (float)sum;
     }
+    if (!precise) return;
+#pragma omp simd
+    for (int k = 0; k < K; k++) tmp[k] -= ad[k / 32] * (float)qa[k];
+    quantize_row(tmp, K, IN_PLAIN, NULL, 0.0f, tmp, qa + K, ad + K / 32, as + K / 32);
 }
 
 #if QG_NATIVE
@@ -198,19 +206,21 @@ static void tile(const uint8_t *wq, const _Float16 *wd, const _Float16 *wm, int 
 void qgemm(const float *x, int M, int K, int x_stride, int mode, const float *norm_w, float eps,
            const uint8_t *wq, const _Float16 *wd, const _Float16 *wm, int bits, int N, float *y,
            int accumulate) {
-    int nb = K / 32;
-    int8_t *qa = aligned_alloc(64, ((size_t)M * K + 63) / 64 * 64);
-    float *ad = malloc(sizeof(float) * (size_t)M * nb * 10), *as = ad + (size_t)M * nb;
-    float *adv = as + (size_t)M * nb; /* [M, nb / 2, 16] */
+    int nb = K / 32, rep = mode & IN_PRECISE ? 2 : 1, R = M * rep; /* R quantized rows */
+    int8_t *qa = aligned_alloc(64, ((size_t)R * K + 63) / 64 * 64);
+    float *ad = malloc(sizeof(float) * (size_t)R * nb * 10), *as = ad + (size_t)R * nb;
+    float *adv = as + (size_t)R * nb; /* [R, nb / 2, 16] */
+    float *yt = rep == 1 ? y : malloc(sizeof(float) * (size_t)R * N);
 #pragma omp parallel if (M > 1)
     {
         float *tmp = malloc(sizeof(float) * K);
 #pragma omp for
         for (int r = 0; r < M; r++)
-            quantize_row(x + (size_t)r * x_stride, K, mode, norm_w, eps, tmp, qa + (size_t)r * K,
-                         ad + (size_t)r * nb, as + (size_t)r * nb);
+            quantize_row(x + (size_t)r * x_stride, K, mode, norm_w, eps, tmp,
+                         qa + (size_t)r * rep * K, ad + (size_t)r * rep * nb,
+                         as + (size_t)r * rep * nb);
 #pragma omp for
-        for (int r = 0; r < M; r++)
+        for (int r = 0; r < R; r++)
             for (int p = 0; p < nb / 2; p++)
                 for (int l = 0; l < 16; l++)
                     adv[((size_t)r * (nb / 2) + p) * 16 + l] = ad[(size_t)r * nb + 2 * p + l / 8];
@@ -218,14 +228,19 @@ void qgemm(const float *x, int M, int K, int x_stride, int mode, const float *no
     }
     /* Column chunks small enough that both threads get work and a chunk's weights stay in
      * L2 across the row tiles. */
-    int chunk = 16, nchunks = (N + chunk - 1) / chunk;
+    int chunk = 16, nchunks = (N + chunk - 1) / chunk, add = rep == 1 && accumulate;
 #pragma omp parallel for schedule(static)
     for (int c = 0; c < nchunks; c++) {
         int n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-        for (int m0 = 0; m0 < M; m0 += MT)
-            tile(wq, wd, wm, bits, K, n0, n1, qa, ad, adv, as, m0, M - m0 < MT ? M - m0 : MT, y, N,
-                 accumulate);
+        for (int m0 = 0; m0 < R; m0 += MT)
+            tile(wq, wd, wm, bits, K, n0, n1, qa, ad, adv, as, m0, R - m0 < MT ? R - m0 : MT, yt,
+                 N, add);
     }
+    if (rep == 2) /* a row plus its residual row */
+        for (size_t i = 0; i < (size_t)M * N; i++)
+            y[i] = (accumulate ? y[i] : 0.0f) + yt[i / N * 2 * N + i % N] +
+                   yt[(i / N * 2 + 1) * N + i % N];
+    if (yt != y) free(yt);
     free(qa);
     free(ad);
 }

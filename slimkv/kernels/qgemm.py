@@ -19,6 +19,7 @@ from slimkv.kernels import build
 
 SOURCE = Path(__file__).with_name("qgemm.c")
 PLAIN, RMSNORM, SILU_MUL = 0, 1, 2  # what the kernel does to x on the way in
+PRECISE = 4  # OR'ed into a mode: the int8 rounding residual is a second int8 row (~15 bits)
 
 
 class QGemm:
@@ -46,7 +47,7 @@ class QGemm:
         float16. Returns ``[M, N]`` float32, or adds into ``out`` and returns it."""
         x = x.contiguous()
         rows, width = x.shape
-        k = width // 2 if mode == SILU_MUL else width
+        k = width // 2 if mode & 3 == SILU_MUL else width
         n = q.shape[0]
         y = torch.empty(rows, n, dtype=torch.float32) if out is None else out
         norm = norm_weight.data_ptr() if norm_weight is not None else None

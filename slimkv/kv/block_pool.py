@@ -128,7 +128,7 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue) + len(self.protected)
+        return self.free_queue.num_blocks + self.protected.num_blocks
 
     @property
     def usage(self) -> float:

@@ -68,6 +68,8 @@ class KVCacheManager:
         return max(0, cdiv(total, self.block_size) - held)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, computed: list[Block] = ()) -> bool:
+        if not computed:   # a running sequence's step: the hot path
+            return self.num_blocks_needed(seq, num_new_tokens) <= self.pool.num_free_blocks
         free_hits = sum(1 for b in computed if b.ref_cnt == 0)
         need = self.num_blocks_needed(seq, num_new_tokens, computed)
         return need + free_hits <= self.pool.num_free_blocks
@@ -87,7 +89,8 @@ class KVCacheManager:
             seq.num_computed_tokens += len(computed) * self.block_size
             seq.num_cached_tokens = len(computed) * self.block_size
         need = self.num_blocks_needed(seq, num_new_tokens)
-        seq.blocks.extend(self.pool.get_new_blocks(need))
+        if need:   # most decode steps need none: skip the pool (hot in the simulator)
+            seq.blocks.extend(self.pool.get_new_blocks(need))
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Index the blocks whose tokens are all computed by their chained hash; each block

@@ -101,10 +101,18 @@ def plot_levels(series: dict[str, list[Summary]], path: str | Path, title: str) 
         ax_tps.plot(xs, [s["output_tokens_per_s"] for s in levels], marker="o", label=name)
     ax_ttft.set(xlabel="concurrent clients", ylabel="TTFT (s)", title="time to first token")
     ax_tps.set(xlabel="concurrent clients", ylabel="output tokens/s", title="throughput")
-    for ax in (ax_ttft, ax_tps):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
     fig.suptitle(title)
+    save_figure(fig, (ax_ttft, ax_tps), path, legend_size=7)
+
+
+def save_figure(fig: Any, axes: tuple, path: str | Path, legend_size: int) -> None:
+    """What every report figure ends with: grid and legend on each axis, tight layout,
+    written as a 110-dpi PNG (parent folders made) and closed."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=legend_size)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

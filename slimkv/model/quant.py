@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from slimkv.kernels.qgemm import PLAIN, RMSNORM, SILU_MUL, QGemm, qgemm_kernel
+from slimkv.kernels.qgemm import PLAIN, PRECISE, RMSNORM, SILU_MUL, QGemm, qgemm_kernel
 
 GROUP = 32
 GGUF_CLASSES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # GGUF tensor types adopted as they are
@@ -107,12 +107,16 @@ def _kernel() -> QGemm:
 class QuantLinear(nn.Module):
     """``nn.Linear`` over a :class:`QuantTensor` (and an optional float bias).
 
-    Up to ``kernel_rows`` activation rows (decode steps) go through the int8 dot-product
-    kernel, which reads only the packed bytes; more rows (prefill) are a float GEMM in
-    ``dtype`` over the weights dequantized for the call, where the GEMM's compute, not the
-    weight bytes, is what costs."""
+    Up to ``kernel_rows`` activation rows (decode steps, batched decode) go through the int8
+    dot-product kernel, which reads only the packed bytes; more rows (prefill) are a float
+    GEMM in ``dtype`` over the weights dequantized for the call, where the GEMM's compute,
+    not the weight bytes, is what costs."""
 
-    kernel_rows = 2
+    # Measured crossover (Sapphire Rapids, 2 threads, SmolLM2-135M's 120 projections + the
+    # int8 head, one step; scripts/bench_qgemm_step.py): kernel 16 /
+    # 32 / 59 / 114 ms at 1 / 4 / 8 / 16 rows, dequantize + bf16 GEMM 90 / 94 / 95 / 101 ms.
+    kernel_rows = 12
+    precise = False  # PRECISE activations in the kernel (set per projection by quantize_model)
 
     def __init__(self, weight: QuantTensor, dtype: torch.dtype, bias: Tensor | None = None) -> None:
         super().__init__()
@@ -138,6 +142,7 @@ class QuantLinear(nn.Module):
             y = y if out is None else out.add_(y)
         else:
             weight = None if norm is None else norm.weight.float()
+            mode |= PRECISE if self.precise else 0
             y = self.kernel(x.float(), self.q, self.d, self.m, self.bits, mode=mode,
                             norm_weight=weight, eps=0.0 if norm is None else norm.eps, out=out)
         if self.bias is not None:

@@ -51,14 +51,6 @@ class RealEngine:
     def requests(self):
         return self.engine.requests
 
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
-
     def add_request(self, prompt, params, request_id, session_id):
         return self.engine.add_request(prompt, params, request_id, session_id)
 

@@ -4,6 +4,7 @@ long-session workload swept over concurrency, per KV layout; then what our polic
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -73,10 +74,14 @@ def sweep(card: Card, spec: CaseSpec) -> dict[str, Any]:
             "p99_ttft_flat_up_to": flat_up_to(levels), "levels": levels}
 
 
-def policy_cards(spec: CaseSpec, dev) -> list[tuple[str, Card]]:
+POLICY_DTYPES = ("bfloat16", "int8", "int4")
+
+
+def policy_cards(spec: CaseSpec, dev, dtypes: tuple[str, ...] = POLICY_DTYPES
+                 ) -> list[tuple[str, Card]]:
     """Each of our admission policies taken away (or the soft limit lifted), one at a time."""
     out = []
-    for v in (Variant("bfloat16"), Variant("int8"), Variant("int4")):
+    for v in (Variant(d) for d in dtypes):
         base = Card.build(spec.model, dev, v, spec.context, soft=spec.soft)
         lifted = Card.build(spec.model, dev, v, spec.context, soft=256)
         out += [(f"{v.name}: default", base),
@@ -90,7 +95,8 @@ def policy_cards(spec: CaseSpec, dev) -> list[tuple[str, Card]]:
 
 
 def run_case(spec: CaseSpec, variants: tuple[Variant, ...] = VARIANTS,
-             policy_level: int = 128, progress: bool = True) -> dict[str, Any]:
+             policy_level: int = 128, progress: bool = True,
+             policy_dtypes: tuple[str, ...] = POLICY_DTYPES) -> dict[str, Any]:
     dev = device(spec.device)
     start = time.monotonic()
     results = []
@@ -101,7 +107,7 @@ def run_case(spec: CaseSpec, variants: tuple[Variant, ...] = VARIANTS,
             print(f"  {spec.model} {spec.device} {v.name:>16}: {results[-1]['sessions_served']} "
                   f"sessions ({results[-1]['limited_by']})", flush=True)
     policies = []
-    for label, card in policy_cards(spec, dev):
+    for label, card in policy_cards(spec, dev, policy_dtypes):
         lv = run_level(card.engine(), spec.session, policy_level, spec.duration,
                        spec.warmup).summary()
         policies.append({"policy": label, "concurrency": policy_level, **lv})
@@ -110,3 +116,20 @@ def run_case(spec: CaseSpec, variants: tuple[Variant, ...] = VARIANTS,
                   f"{lv['preemptions']} p99 TTFT={lv['ttft_s']['p99']}", flush=True)
     return {"spec": asdict(spec), "variants": results, "policies": policies,
             "elapsed_s": round(time.monotonic() - start, 1)}
+
+
+def merge_case(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """A case run in pieces (some variants, some policy rows each): ``new``'s results over
+    ``old``'s when both ran the same spec; variants in :data:`VARIANTS` order."""
+    piece = {"command": new.get("command"), "elapsed_s": new["elapsed_s"]}
+    if old is None or old["spec"] != json.loads(json.dumps(new["spec"])):
+        return {**new, "pieces": [piece]}
+    order = [v.name for v in VARIANTS]
+    variants = {v["variant"]: v for v in old["variants"]} | {v["variant"]: v for v in new["variants"]}
+    policies = {p["policy"]: p for p in old["policies"]} | {p["policy"]: p for p in new["policies"]}
+    pieces = old.get("pieces", [{"command": old.get("command"), "elapsed_s": old["elapsed_s"]}])
+    pieces = pieces + [piece]
+    return {**new, "variants": sorted(variants.values(), key=lambda v: order.index(v["variant"])
+                                      if v["variant"] in order else len(order)),
+            "policies": list(policies.values()), "pieces": pieces,
+            "elapsed_s": round(sum(p["elapsed_s"] for p in pieces), 1)}

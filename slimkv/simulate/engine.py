@@ -12,6 +12,7 @@ weights. ``tests/test_simulate.py`` pins it to the real engine step by step.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
@@ -91,6 +92,7 @@ class SimEngine:
         self.requests: dict[str, Sequence] = {}
         self.num_steps = 0
         self._ids = itertools.count()
+        self._no_expiry_before = -math.inf
 
     def add_request(self, prompt: list[int], params: SamplingParams,
                     request_id: str | None = None,
@@ -110,31 +112,28 @@ class SimEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
-
     def step(self) -> tuple[StepRecord, list[Finished]]:
         """One engine step: schedule, charge the batch's time, append tokens, finish."""
         self.num_steps += 1
         record = StepRecord(self.num_steps)
-        self.manager.expire_sessions()
-        before = {id(s) for s in self.scheduler.running}
+        self._expire_sessions()
+        num_before = len(self.scheduler.running)
         out = self.scheduler.schedule()
-        record.admitted = [s.request_id for s in self.scheduler.running if id(s) not in before]
+        # Admissions are appended to ``running``, and only in a step that preempted none.
+        record.admitted = [] if out.preempted else [
+            s.request_id for s in self.scheduler.running[num_before:]]
         record.preempted = [s.request_id for s in out.preempted]
         if not out.scheduled:
             return record, []
-        for seq, _ in out.scheduled:
+        new_tokens, context, sampled = [], [], []
+        for seq, n in out.scheduled:
             if seq.scheduled_time is None:
                 seq.scheduled_time = self.now
-        sampled = [seq for seq, n in out.scheduled if seq.num_computed_tokens + n == seq.num_tokens]
-        batch = Batch(tuple(n for _, n in out.scheduled),
-                      tuple(seq.num_computed_tokens for seq, _ in out.scheduled), len(sampled))
+            new_tokens.append(n)
+            context.append(seq.num_computed_tokens)
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                sampled.append(seq)
+        batch = Batch(tuple(new_tokens), tuple(context), len(sampled))
         record.num_tokens, record.batch = batch.num_tokens, batch
         record.duration = self.step_time(batch)
         self.now += record.duration
@@ -144,6 +143,18 @@ class SimEngine:
         finished = [f for f in (self._append_token(seq) for seq in sampled) if f is not None]
         record.finished = [f.request_id for f in finished]
         return record, finished
+
+    def _expire_sessions(self) -> None:
+        """``manager.expire_sessions()``, skipped while no session can be past its TTL: the
+        oldest ``last_seen`` + TTL bounds every session's expiry from below (``last_seen``
+        only grows; a new session is seen now), so a skipped call would have expired none.
+        The engine's per-step scan is over every session: at fleet scale it dominated."""
+        manager = getattr(self.manager, "paged", self.manager)
+        if self.now <= self._no_expiry_before:
+            return
+        manager.expire_sessions()
+        oldest = min((s.last_seen for s in manager.sessions.values()), default=self.now)
+        self._no_expiry_before = oldest + manager.session_ttl_s
 
     def _append_token(self, seq: Sequence) -> Finished | None:
         if seq.first_token_time is None:

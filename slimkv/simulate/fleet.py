@@ -9,8 +9,10 @@ step of the replica whose clock is furthest behind.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
+import sys
 import time
 from typing import Any
 
@@ -37,16 +39,24 @@ def run_fleet(card: Card, num_replicas: int, spec: SessionSpec, num_sessions: in
     busy: list[tuple[float, int]] = []
     inflight: dict[str, tuple[Any, Client]] = {}
     ttft, tpot, reasons, peak_running = [], [], {}, [0] * num_replicas
+    # A replica's load changes only when it steps or takes a request: kept per replica,
+    # not rebuilt for every turn (N x turns at 10,000 sessions).
+    loads = [_load(n, e) for n, e in zip(names, engines)]
+    gc.collect()
+    gc.freeze()     # the pools' blocks live for the whole run: keep them out of GC scans
+    next_report = 60.0
     while True:
         t_client = ready[0][0] if ready else math.inf
         t_step = busy[0][0] if busy else math.inf
         if min(t_client, t_step) >= duration:
             break
+        if min(t_client, t_step) >= next_report:
+            print(f"    {num_sessions} sessions on {num_replicas} cards: {next_report:.0f} s "
+                  f"simulated, {time.monotonic() - wall:.0f} s wall", file=sys.stderr, flush=True)
+            next_report += 60.0
         if t_client <= t_step:
             client = clients[heapq.heappop(ready)[1]]
             turn = client.next_turn(t_client)
-            loads = [ReplicaLoad(n, e.num_running + e.num_waiting, e.pool.usage,
-                                 e.scheduler.watermark_alert) for n, e in zip(names, engines)]
             decision = route(RouteKeys(turn.session), loads, index, balance)
             reasons[decision.reason] = reasons.get(decision.reason, 0) + 1
             r = int(decision.replica[1:])
@@ -58,11 +68,13 @@ def run_fleet(card: Card, num_replicas: int, spec: SessionSpec, num_sessions: in
                                                            ignore_eos=True),
                                turn.request_id, turn.session)
             inflight[turn.request_id] = (turn, client)
+            loads[r] = _load(names[r], engine)
             continue
         _, r = heapq.heappop(busy)
         engine = engines[r]
         _, finished = engine.step()
-        peak_running[r] = max(peak_running[r], engine.num_running)
+        peak_running[r] = max(peak_running[r], engine.scheduler.num_running())
+        loads[r] = _load(names[r], engine)
         for f in finished:
             turn, client = inflight.pop(f.request_id)
             if turn.sent >= warmup:
@@ -73,6 +85,7 @@ def run_fleet(card: Card, num_replicas: int, spec: SessionSpec, num_sessions: in
             heapq.heappush(ready, (client.ready_at, client.index))
         if engine.has_unfinished():
             heapq.heappush(busy, (engine.now, r))
+    gc.unfreeze()
     unserved = [duration - turn.sent for turn, _ in inflight.values()
                 if turn.sent >= warmup and _first_token(engines, turn.request_id) is None]
     ttft_all = ttft + unserved
@@ -82,6 +95,12 @@ def run_fleet(card: Card, num_replicas: int, spec: SessionSpec, num_sessions: in
             "peak_running_per_replica": max(peak_running),
             "preemptions": sum(e.scheduler.num_preemptions for e in engines),
             "route_reasons": reasons, "wall_s": round(time.monotonic() - wall, 1)}
+
+
+def _load(name: str, engine) -> ReplicaLoad:
+    scheduler = engine.scheduler
+    return ReplicaLoad(name, scheduler.num_running() + scheduler.num_waiting(), engine.pool.usage,
+                       scheduler.watermark_alert)
 
 
 def _first_token(engines, request_id: str) -> float | None:
@@ -115,10 +134,13 @@ def cards_needed(card: Card, spec: SessionSpec, num_sessions: int, duration: flo
 
 def fleet_rows(model: str, device_name: str, dtypes: tuple[str, ...],
                sessions: tuple[int, ...], think_time: float, duration: float,
-               warmup: float) -> dict[str, Any]:
+               warmup: float, cards: int | None = None,
+               cards_range: tuple[int, int] | None = None) -> dict[str, Any]:
     """Cards needed per KV dtype: bisection at the smallest load, then each larger load
-    run once at the same sessions per card (and one card fewer per 10 if that still meets
-    the SLO), so the 10,000-session run is timed as it is used."""
+    run once at the same sessions per card, so the 10,000-session run is timed as it is
+    used (``cards_range``: the bisection's bounds, default 1/400 to 1/20 of the load). With
+    ``cards`` every load runs once on that many cards (no bisection): a long
+    sweep split into pieces, merged by :func:`merge_rows`."""
     from slimkv.simulate.card import Variant
     from slimkv.simulate.costs import device
 
@@ -126,19 +148,38 @@ def fleet_rows(model: str, device_name: str, dtypes: tuple[str, ...],
     rows = []
     for dtype in dtypes:
         card = Card.build(model, device(device_name), Variant(dtype), 4096)
-        first, *rest = sorted(sessions)
-        cards, tried = cards_needed(card, spec, first, duration, warmup,
-                                    max(1, first // 400), max(2, first // 20))
-        result = next((t for t in tried if t["replicas"] == cards), None) or \
-            run_fleet(card, cards, spec, first, duration, warmup)
-        rows.append({"variant": card.variant.name, "sessions": first, "cards": cards,
-                     "result": result, "bisection": [t["replicas"] for t in tried]})
-        for n in rest:
-            scaled = math.ceil(cards * n / first)
-            result = run_fleet(card, scaled, spec, n, duration, warmup)
-            rows.append({"variant": card.variant.name, "sessions": n, "cards": scaled,
-                         "result": result, "bisection": []})
-            print(f"  {card.variant.name}: {n} sessions on {scaled} cards: P99 TTFT "
-                  f"{result['ttft_s']['p99']} s, wall {result['wall_s']} s", flush=True)
+        todo = sorted(sessions)
+        if cards is None:
+            first = todo.pop(0)
+            low, high = cards_range or (max(1, first // 400), max(2, first // 20))
+            need, tried = cards_needed(card, spec, first, duration, warmup, low, high)
+            result = next((t for t in tried if t["replicas"] == need), None) or \
+                run_fleet(card, need, spec, first, duration, warmup)
+            rows.append(_row(card, first, need, result, tried))
+        for n in todo:
+            scaled = cards or math.ceil(rows[-1]["cards"] * n / rows[-1]["sessions"])
+            rows.append(_row(card, n, scaled, run_fleet(card, scaled, spec, n, duration,
+                                                        warmup), []))
     return {"model": model, "device": device_name, "think_time": think_time,
             "duration": duration, "warmup": warmup, "slo_s": TTFT_SLO_S, "rows": rows}
+
+
+def _row(card: Card, sessions: int, cards: int, result: dict[str, Any],
+         tried: list[dict[str, Any]]) -> dict[str, Any]:
+    print(f"  {card.variant.name}: {sessions} sessions on {cards} cards: P99 TTFT "
+          f"{result['ttft_s']['p99']} s, wall {result['wall_s']} s", flush=True)
+    return {"variant": card.variant.name, "sessions": sessions, "cards": cards,
+            "meets_slo": meets_slo(result), "result": result,
+            "bisection": [{"cards": t["replicas"], "p99_ttft_s": t["ttft_s"]["p99"],
+                           "wall_s": t["wall_s"]} for t in tried]}
+
+
+def merge_rows(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """``new``'s rows over ``old``'s (a row is one variant, load and card count), when
+    both ran the same workload; sorted by variant, load, cards."""
+    keys = ("model", "device", "think_time", "duration", "warmup", "slo_s")
+    if old is None or any(old.get(k) != new[k] for k in keys):
+        return new
+    key = lambda r: (r["variant"], r["sessions"], r["cards"])  # noqa: E731
+    rows = {key(r): r for r in old["rows"]} | {key(r): r for r in new["rows"]}
+    return {**new, "rows": [rows[k] for k in sorted(rows)]}

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from slimkv.loadtest.report import save_figure
+
 
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.0f}"
@@ -39,8 +41,10 @@ def case_table(case: dict[str, Any]) -> list[str]:
     for v in case["variants"]:
         lines.append(f"| {v['variant']} | " + " | ".join(
             f"{_s(lv['ttft_s']['p99'])} ({lv['peak_running']})" for lv in v["levels"]) + " |")
-    lines += ["", "(in brackets: the most sessions running at once)", "",
-              f"What each policy changes, at {case['policies'][0]['concurrency']} clients:", "",
+    lines += ["", "(in brackets: the most sessions running at once)", ""]
+    if not case["policies"]:
+        return lines
+    lines += [f"What each policy changes, at {case['policies'][0]['concurrency']} clients:", "",
               "| configuration | sessions running (peak) | KV peak | preemptions "
               "| P50 / P99 TTFT (s) | TPOT P50 (ms) | out tok/s |", "|---|---|---|---|---|---|---|"]
     for p in case["policies"]:
@@ -73,18 +77,22 @@ def fleet_table(fleet: dict[str, Any]) -> list[str]:
     lines = [f"SLO: P99 TTFT <= {fleet['slo_s']} s; users think {fleet['think_time']} s "
              f"(0.5-1.5x) between turns; {fleet['duration']} s simulated, the first "
              f"{fleet['warmup']} s not measured.", "",
-             "| KV cache | sessions | cards needed | sessions per card | P99 TTFT (s) "
-             "| TPOT P50 (ms) | peak running per card | routed: session / load / kv | wall time (s) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| KV cache | sessions | cards | sessions per card | meets SLO | P99 TTFT (s) "
+             "| TPOT P50 (ms) | peak running per card | routed: session / load / kv "
+             "| wall time (s) | bisection: cards (P99 TTFT s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in fleet["rows"]:
         r = row["result"]
         reasons = r["route_reasons"]
         lines.append(
             f"| {row['variant']} | {row['sessions']} | {row['cards']} | "
-            f"{row['sessions'] / row['cards']:.0f} | {_s(r['ttft_s']['p99'])} | "
+            f"{row['sessions'] / row['cards']:.0f} | {'yes' if row['meets_slo'] else 'no'} | "
+            f"{_s(r['ttft_s']['p99'])} | "
             f"{_ms(r['tpot_s']['p50'])} | {r['peak_running_per_replica']} | "
             f"{reasons.get('session', 0)} / {reasons.get('load', 0)} / {reasons.get('kv', 0)} "
-            f"| {r['wall_s']} |")
+            f"| {r['wall_s']} | "
+            + ", ".join(f"{t['cards']} ({_s(t['p99_ttft_s'])})" for t in row["bisection"])
+            + " |")
     return lines + [""]
 
 
@@ -102,11 +110,33 @@ def plot_case(case: dict[str, Any], path: Path) -> Path:
     a.set(xlabel="clients", ylabel="sessions running at once (peak)",
           title=f"{spec['model']} on {spec['device']}, {spec['context']} tokens")
     b.set(xlabel="clients", ylabel="P99 TTFT (s)", yscale="log", title="P99 time to first token")
-    for ax in (a, b):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    save_figure(fig, (a, b), path, legend_size=8)
+    return path
+
+
+def plot_fleet(fleet: dict[str, Any], path: Path) -> Path:
+    """P99 TTFT against sessions per card, per KV dtype: every fleet run (bisection
+    included), the SLO as a line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for variant in sorted({r["variant"] for r in fleet["rows"]}):
+        rows = [r for r in fleet["rows"] if r["variant"] == variant]
+        for n in sorted({r["sessions"] for r in rows}):
+            pts = {t["cards"]: t["p99_ttft_s"] for r in rows if r["sessions"] == n
+                   for t in r["bisection"]}
+            pts |= {r["cards"]: r["result"]["ttft_s"]["p99"] for r in rows if r["sessions"] == n}
+            xs = sorted(pts, reverse=True)
+            ax.plot([n / c for c in xs], [pts[c] for c in xs], marker="o",
+                    label=f"{variant}, {n} sessions")
+    ax.axhline(fleet["slo_s"], color="grey", linestyle="--", label=f"SLO {fleet['slo_s']} s")
+    ax.set(xlabel="sessions per card", ylabel="P99 TTFT (s)", yscale="log",
+           title=f"{fleet['model']} on {fleet['device']} replicas, think {fleet['think_time']} s")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -125,16 +155,23 @@ def write_results(out_dir: Path) -> list[Path]:
         data = json.loads(cal.read_text())
         lines += ["## Calibration on this CPU (the real engine vs the simulator)", "",
                   f"`{data['command']}`", ""] + calibration_table(data["runs"])
+        lines += [f"- {r['kv_dtype']}: `{r['command']}` ({r['machine'].get('date', '')})"
+                  for r in data["runs"] if "command" in r] + [""]
     for path in sorted(out_dir.glob("case-*.json")):
         case = json.loads(path.read_text())
         png = plot_case(case, path.with_suffix(".png"))
         written.append(png)
-        lines += ["## " + path.stem, "", f"`{case['command']}` (took {case['elapsed_s']} s)",
-                  ""] + case_table(case) + [f"![{path.stem}]({png.name})", ""]
+        runs = case.get("pieces") or [{"command": case["command"], "elapsed_s": case["elapsed_s"]}]
+        lines += ["## " + path.stem, ""] + [f"`{r['command']}` (took {r['elapsed_s']} s)  "
+                                            for r in runs] + [""] + case_table(case) + [f"![{path.stem}]({png.name})", ""]
     for fleet in sorted(out_dir.glob("fleet-*.json")):
         data = json.loads(fleet.read_text())
-        lines += [f"## Fleet: {data['model']} on {data['device']} replicas", "",
-                  f"`{data['command']}`", ""] + fleet_table(data)
+        png = plot_fleet(data, fleet.with_suffix(".png"))
+        written.append(png)
+        commands = dict.fromkeys(r.get("command", data["command"]) for r in data["rows"])
+        lines += [f"## Fleet: {data['model']} on {data['device']} replicas", ""]
+        lines += [f"`{c}`  " for c in commands] + [""] + fleet_table(data)
+        lines += [f"![{fleet.stem}]({png.name})", ""]
     out = out_dir / "results.md"
     out.write_text("\n".join(lines) + "\n")
     return written + [out]

@@ -88,8 +88,8 @@ def run_level(engine: Any, spec: SessionSpec, concurrency: int, duration: float,
         record, finished = engine.step()
         if keep_steps:
             result.steps.append(record)
-        result.running.append(engine.num_running)
-        result.waiting.append(engine.num_waiting)
+        result.running.append(engine.scheduler.num_running())
+        result.waiting.append(engine.scheduler.num_waiting())
         result.usage.append(engine.pool.usage)
         for f in finished:
             turn, client = inflight.pop(f.request_id)

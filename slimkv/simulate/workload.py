@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 QUESTION_TOKENS = 16   # a question and its chat-template wrapping
 HEADER_TOKENS = 8      # the session's unique first line: sessions never share a prefix
 VOCAB_LOW, VOCAB_HIGH = 300, 40000
+_VOCAB = range(VOCAB_LOW, VOCAB_HIGH)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,4 +81,4 @@ class Client:
         self.ready_at = now + (think * (0.5 + self.rng.random()) if think else 0.0)
 
     def _tokens(self, n: int) -> list[int]:
-        return [self.rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
+        return self.rng.choices(_VOCAB, k=n)   # ~5x faster than a randrange per token

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from slimkv.config import ConfigError, KVCacheConfig, _check, _check_choice, _reject_unknown
+from slimkv.config import (ConfigError, KVCacheConfig, _check, _check_choice, _check_int,
+                           _check_positive, _reject_unknown)
 
 OFFLOAD_WRITES = ("evict", "idle")
 
@@ -30,14 +31,11 @@ class OffloadConfig:
 
     def __post_init__(self) -> None:
         for key in ("host_gb", "disk_gb", "idle_s"):
-            value = getattr(self, key)
-            _check(isinstance(value, (int, float)) and value >= 0, f"kv_cache.offload.{key}",
-                   f"must be a number >= 0, got {value!r}")
+            _check_positive(getattr(self, key), f"kv_cache.offload.{key}", inclusive=True)
         _check(self.host_gb > 0 or self.disk_path is not None, "kv_cache.offload",
                "set host_gb > 0 or a disk_path")
         _check_choice(self.write, OFFLOAD_WRITES, "kv_cache.offload.write")
-        _check(isinstance(self.queue_chunks, int) and self.queue_chunks > 0,
-               "kv_cache.offload.queue_chunks", "must be a positive integer")
+        _check_int(self.queue_chunks, "kv_cache.offload.queue_chunks")
 
     @classmethod
     def of(cls, kv: KVCacheConfig) -> OffloadConfig:
