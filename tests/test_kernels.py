@@ -12,13 +12,12 @@ from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
 
 BLOCK_SIZE, NUM_KV_HEADS, NUM_HEADS = 16, 3, 9
-# (k dtype, v dtype, k_scale): every KV format the kernel decodes with float dot products,
-# staged and not. Keys with integer levels (int8; int4 with per-block scales) are dotted with
-# an int8 copy of q: tests/test_kernels_int8.py checks those formats.
+# (k dtype, v dtype, k_scale): every KV format the kernel decodes, staged and not.
 FORMATS = [("float32", "float32", "per_token"), ("bfloat16", "bfloat16", "per_token"),
-           ("float16", "float16", "per_token"), ("fp8_e4m3", "fp8_e4m3", "per_token"),
+           ("float16", "float16", "per_token"), ("int8", "int8", "per_token"),
+           ("int8", "int8", "per_channel_block"), ("fp8_e4m3", "fp8_e4m3", "per_token"),
            ("fp8_e5m2", "fp8_e5m2", "per_channel_block"), ("int4", "int4", "per_token"),
-           ("bfloat16", "int8", "per_token"), ("fp8_e4m3", "int4", "per_channel_block")]
+           ("int4", "int4", "per_channel_block"), ("int8", "int4", "per_channel_block")]
 
 
 def _decode_step(k_dtype: str, v_dtype: str, k_scale: str, head_dim: int, lens: list[int],
@@ -89,6 +88,31 @@ def test_fused_decode_equals_sdpa_and_reference(k_dtype: str, v_dtype: str, k_sc
     torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.usefixtures("fused_kernel")
+def test_fused_decode_in_bfloat16_model_dtype() -> None:
+    cache, staging, step, meta = _decode_step("int8", "int8", "per_channel_block", 64, [5, 33],
+                                              torch.bfloat16)
+    fused, attn = _decode(cache, staging, step, meta, torch.bfloat16, kernel=True)
+    reference = reference_paged_attention(cache, 0, step[0], meta, 64 ** -0.5, torch.bfloat16,
+                                          staging)
+    assert attn.path_counts == {"fused_decode": 1} and fused.dtype == torch.bfloat16
+    torch.testing.assert_close(fused.float(), reference.float(), rtol=0, atol=2e-2)
+
+
+@pytest.mark.usefixtures("fused_kernel")
+def test_fused_decode_reads_each_layer_with_its_own_codec() -> None:
+    """kv_cache.layer_dtypes: layer 1 stored in int4 while the default is int8."""
+    cache, staging, step, meta = _decode_step("int8", "int8", "per_channel_block", 64, [7, 40],
+                                              torch.float32, layer=1,
+                                              layer_dtypes={"int4": [1]})
+    assert cache.layer_codecs[1]["k"].name == "int4"
+    fused, attn = _decode(cache, staging, step, meta, torch.float32, kernel=True, layer=1)
+    reference = reference_paged_attention(cache, 1, step[0], meta, 64 ** -0.5, torch.float32,
+                                          staging)
+    assert attn.path_counts == {"fused_decode": 1}
+    torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
+
+
 def test_without_a_compiler_decodes_on_sdpa_and_says_why(monkeypatch: pytest.MonkeyPatch,
                                                          tmp_path) -> None:
     monkeypatch.setenv("CC", "no-such-compiler")
@@ -118,7 +142,7 @@ def test_kernel_tests_skip_without_a_compiler(tmp_path) -> None:
            "SLIMKV_KERNEL_DIR": str(tmp_path / "kernels")}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-         "-k", "equals_sdpa_and_reference and bfloat16-int8"],
+         "-k", "bfloat16_model_dtype or own_codec or equals_sdpa_and_reference and int8-int8"],
         cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True,
         timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]

@@ -1,7 +1,7 @@
 """Build a C kernel of this package on first use and load it through ctypes.
 
-Each source is compiled once per source text (with the headers next to it) / compiler / CPU
-into ``$SLIMKV_KERNEL_DIR`` (default ``~/.cache/slimkv/kernels``) with ``-march=native`` and OpenMP (the OpenMP runtime
+Each source is compiled once per source text / compiler / CPU into ``$SLIMKV_KERNEL_DIR``
+(default ``~/.cache/slimkv/kernels``) with ``-march=native`` and OpenMP (the OpenMP runtime
 is the one torch already loaded, so kernels share torch's threads). :func:`load` returns the
 library, or a sentence saying why there is none (no compiler, a failed build); callers then
 take their torch path and say so, never silently.
@@ -33,8 +33,7 @@ def _library_path(source: Path, cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     flags = next((line for line in cpu.splitlines() if line.startswith("flags")), "")
-    text = "".join(p.read_text() for p in (source, *sorted(source.parent.glob("*.h"))))
-    key = hashlib.sha256("\0".join((text, " ".join(FLAGS), version, flags))
+    key = hashlib.sha256("\0".join((source.read_text(), " ".join(FLAGS), version, flags))
                          .encode()).hexdigest()[:16]
     root = Path(os.environ.get(KERNEL_DIR_ENV) or Path.home() / ".cache/slimkv/kernels")
     return root / f"{source.stem}-{key}.so"

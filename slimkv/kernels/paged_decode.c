@@ -184,99 +184,31 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
     return sum;
 }
 
-/* ---- Keys with integer levels: int8 dot products ------------------------------------------
- * int8 keys (per-token or per-block channel scales) and int4 keys with per-block channel
- * scales are dotted with an int8 copy of q, made per block and query head (once per head for
- * per-token scales): q~ = q * sm_scale, times the block's channel scales when they are folded,
- * sq = max|q~| / 127 and qi = round_half_even(q~ / sq), so |q~ - sq * qi| <= sq / 2 per
- * channel. The integer sums are exact; a score is sq * sum(qi * level), times the token's
- * scale, plus q~.zero for int4. Its error from rounding q is at most
- * sq / 2 * sum|level| (times the token's scale): see tests/test_kernels_int8.py. */
-static inline __attribute__((always_inline)) float quantize_q(const float *qk, const int D,
-                                                               int8_t *qi, int32_t *qsum) {
-    float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
-    for (int d = 0; d < D; d++) amax = fabsf(qk[d]) > amax ? fabsf(qk[d]) : amax;
-    float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int32_t s = 0;
-#pragma omp simd reduction(+ : s)
-    for (int d = 0; d < D; d++) {
-        int32_t x = (int32_t)__builtin_roundevenf(qk[d] * inv);
-        qi[d] = (int8_t)x;
-        s += x;
-    }
-    *qsum = s;
-    return amax / 127.0f;
+static inline __attribute__((always_inline)) float dot_i8(const float *a, const int8_t *b,
+                                                           const int D) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int d = 0; d < D; d++) sum += a[d] * (float)b[d];
+    return sum;
 }
-
-/* sum(qi * level) of rows token0 + t * H (t < n) for the G heads: isum[g * 16 + t]. int4
- * levels come in load_raw's order (low nibbles, then high), as qi is. Portable version. */
-static inline __attribute__((always_inline)) void
-int_dots(const void *data, int kind, size_t token0, int H, int n, const int D,
-         const int8_t *qi, const int32_t *qsum, int G, int32_t *isum) {
-    (void)qsum;
-    for (int t = 0; t < n; t++) {
-        size_t token = token0 + (size_t)t * H;
-        for (int g = 0; g < G; g++) {
-            const int8_t *qg = qi + g * D;
-            int32_t s = 0;
-            if (kind == KIND_I8) {
-                const int8_t *r = (const int8_t *)data + token * D;
-#pragma omp simd reduction(+ : s)
-                for (int d = 0; d < D; d++) s += qg[d] * r[d];
-            } else {
-                const uint8_t *r = (const uint8_t *)data + token * (D / 2);
-#pragma omp simd reduction(+ : s)
-                for (int i = 0; i < D / 2; i++) s += qg[i] * (r[i] & 15) + qg[D / 2 + i] * (r[i] >> 4);
-            }
-            isum[g * 16 + t] = s;
-        }
-    }
-}
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
-#define VEC_BLOCKS 1
-#include "paged_decode_avx512.h"
-#else
-#define VEC_BLOCKS 0
-#endif
 
 /* Sequence b, KV head h: the G query heads of the group over the sequence's L positions.
- * Always inlined with a literal D so that the row loops are fully unrolled and vectorised.
- * Blocks of 16 tokens with D a multiple of 64 take the AVX-512 block routines where the
- * build has them (VEC_BLOCKS); the maths is the same as the row loops'. */
+ * Always inlined with a literal D so that the row loops are fully unrolled and vectorised. */
 static inline __attribute__((always_inline)) void
 attend(const float *qh, float *o, int64_t L, const int64_t *table, int own, int64_t slot,
-       int h, const int G, int H, const int D, int bs, const kv_side *k, const kv_side *v,
+       int h, int G, int H, const int D, int bs, const kv_side *k, const kv_side *v,
        const void *own_k, const void *own_v, int own_kind, float sm_scale, float *scores) {
-    float row[D], bsc[D], bz[D], qp[G * D], qs[G * D], bias[G], acc[G * D], sum[G], sq[G];
-    float sk[16], fl[G * 16];
-    int8_t qi[G * D];
-    int32_t qsum[G], isum[G * 16];
+    float row[D], bsc[D], bz[D], qp[G * D], qs[G * D], bias[G], acc[G * D], sum[G];
     int nblocks = (int)((L + bs - 1) / bs);
     int k_u4 = k->kind == KIND_U4, v_u4 = v->kind == KIND_U4;
-    int fold = k->scale_mode == SCALE_BLOCK, q_ready = 0;
-    int k_int = bs == 16 && ((k->kind == KIND_I8 && k->scale_mode != SCALE_NONE) || (k_u4 && fold));
-    int vec = VEC_BLOCKS && bs == 16 && D % 64 == 0;
-    int v_vec = vec && ((v->kind == KIND_I8 && v->scale_mode == SCALE_TOKEN) ||
-                        (v->kind == KIND_BF16) ||
-                        (v_u4 && v->scale_mode == SCALE_TOKEN && v->groups * 32 == D));
+    int fold = k->scale_mode == SCALE_BLOCK;
     for (int g = 0; g < G; g++) /* q in the order K rows arrive in */
         for (int d = 0; d < D; d++) qp[g * D + permuted(d, k_u4, D)] = qh[g * D + d] * sm_scale;
     for (int j = 0; j < nblocks; j++) {
         int n = (int)(L - (int64_t)j * bs < bs ? L - (int64_t)j * bs : bs);
-        float *out = scores + j * bs;
         const float *qk = qp;
         for (int g = 0; g < G; g++) bias[g] = 0.0f;
-        if (j == own) {
-            for (int t = 0; t < n; t++) {
-                load_staged(k, own_k, own_kind, slot, t, h, H, bs, D, row);
-                for (int g = 0; g < G; g++) out[g * L + t] = dot(qp + g * D, row, D);
-            }
-            continue;
-        }
-        if (fold) { /* q.(raw * s + z) = (q * s).raw + q.z */
+        if (j != own && fold) { /* q.(raw * s + z) = (q * s).raw + q.z */
             load_block_scale(k, table[j], h, H, D, bsc, bz);
             for (int g = 0; g < G; g++) {
                 for (int d = 0; d < D; d++) qs[g * D + d] = qp[g * D + d] * bsc[d];
@@ -284,37 +216,21 @@ attend(const float *qh, float *o, int64_t L, const int64_t *table, int own, int6
             }
             qk = qs;
         }
-        size_t token0 = (size_t)table[j] * bs * H + h;
-        if (k_int) {
-            if (fold || !q_ready)
-                for (int g = 0; g < G; g++) sq[g] = quantize_q(qk + g * D, D, qi + g * D, qsum + g);
-            q_ready = 1;
-#if VEC_BLOCKS
-            if (vec) int_dots_avx512(k->data, k->kind, token0, H, D, qi, qsum, G, isum);
-            else
-#endif
-            int_dots(k->data, k->kind, token0, H, n, D, qi, qsum, G, isum);
-            for (int t = 0; t < n; t++)
-                sk[t] = k->scale_mode == SCALE_TOKEN ? (float)k->scale[token0 + (size_t)t * H] : 1.0f;
-            for (int g = 0; g < G; g++)
-                for (int t = 0; t < n; t++)
-                    out[g * L + t] = (float)isum[g * 16 + t] * sq[g] * sk[t] + bias[g];
-            continue;
-        }
-#if VEC_BLOCKS
-        if (vec && k->kind == KIND_BF16) {
-            bf16_dots_avx512(k->data, token0, H, D, qk, G, fl);
-            for (int g = 0; g < G; g++)
-                for (int t = 0; t < n; t++) out[g * L + t] = fl[g * 16 + t];
-            continue;
-        }
-#endif
         for (int t = 0; t < n; t++) {
-            float sc = load_row(k, table[j], t, h, H, bs, D, fold, bsc, bz, row);
-            for (int g = 0; g < G; g++) out[g * L + t] = dot(qk + g * D, row, D) * sc + bias[g];
+            float sc = 1.0f, *out = scores + j * bs + t;
+            if (j != own && k->kind == KIND_I8 && (fold || k->scale_mode == SCALE_TOKEN)) {
+                /* int8 keys straight from the pool, no row buffer */
+                size_t token = ((size_t)table[j] * bs + t) * H + h;
+                const int8_t *r = (const int8_t *)k->data + token * D;
+                sc = fold ? 1.0f : (float)k->scale[token];
+                for (int g = 0; g < G; g++) out[g * L] = dot_i8(qk + g * D, r, D) * sc + bias[g];
+                continue;
+            }
+            if (j == own) load_staged(k, own_k, own_kind, slot, t, h, H, bs, D, row);
+            else sc = load_row(k, table[j], t, h, H, bs, D, fold, bsc, bz, row);
+            for (int g = 0; g < G; g++) out[g * L] = dot(qk + g * D, row, D) * sc + bias[g];
         }
     }
-    (void)fl; (void)v_vec;
     for (int g = 0; g < G; g++) {
         float m = -INFINITY, s = 0.0f;
         float *sc = scores + g * L;
@@ -330,15 +246,20 @@ attend(const float *qh, float *o, int64_t L, const int64_t *table, int own, int6
     memset(acc, 0, sizeof(float) * G * D);
     for (int j = 0; j < nblocks; j++) {
         int n = (int)(L - (int64_t)j * bs < bs ? L - (int64_t)j * bs : bs);
-#if VEC_BLOCKS
-        if (j != own && v_vec) {
-            values_avx512(v, table[j], h, H, n, D, G, scores + j * bs, L, acc);
-            continue;
-        }
-#endif
         if (j != own) load_block_scale(v, table[j], h, H, D, bsc, bz);
         for (int t = 0; t < n; t++) {
             float sc = 1.0f;
+            if (j != own && v->kind == KIND_I8 && v->scale_mode == SCALE_TOKEN) {
+                size_t token = ((size_t)table[j] * bs + t) * H + h;
+                const int8_t *r = (const int8_t *)v->data + token * D;
+                sc = (float)v->scale[token];
+                for (int g = 0; g < G; g++) {
+                    float p = scores[g * L + j * bs + t] * sc;
+#pragma omp simd
+                    for (int d = 0; d < D; d++) acc[g * D + d] += p * (float)r[d];
+                }
+                continue;
+            }
             if (j == own) load_staged(v, own_v, own_kind, slot, t, h, H, bs, D, row);
             else sc = load_row(v, table[j], t, h, H, bs, D, 0, bsc, bz, row);
             for (int g = 0; g < G; g++) {
