@@ -13,6 +13,7 @@ from slimkv.config import Config, ConfigError
 from slimkv.eval.corpus import windows
 from slimkv.kernels.qgemm import qgemm_kernel, qgemm_unavailable_reason
 from slimkv.llm import LLM
+from slimkv.model.quant import QuantLinear
 from slimkv.sampling import SamplingParams
 
 pytestmark = [pytest.mark.slow,
@@ -76,17 +77,30 @@ def _perplexity(llm: LLM, windows_: list[list[int]], chunk: int) -> float:
     return float(torch.exp(torch.tensor(nll / count)))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "measured +0.54% to +0.87% (2 x 512 tokens), +0.31% (1 x 256): the int8 activations of the "
-    "decode kernel (per group of 32, llama.cpp's Q8_1) cost more than 0.1% on this 135M "
-    "model; the GEMM path (prefill, > QuantLinear.kernel_rows rows) on the same int4/int8 weights is within 2e-5"))
-def test_perplexity_within_a_tenth_of_a_percent_on_the_decode_path(engines) -> None:
+def _perplexity_delta(quant: LLM, ref: LLM) -> float:
     """int4 scored one token per step (the decode kernel's path) vs the dequantized engine."""
-    quant, ref = engines
     text = windows(ref.tokenizer, 256, 2)
     ppl_q, ppl_f = _perplexity(quant, text, chunk=1), _perplexity(ref, text, chunk=512)
     print(f"perplexity int4 {ppl_q:.4f} float32 {ppl_f:.4f} ({ppl_q / ppl_f - 1:+.4%})")
-    assert abs(ppl_q / ppl_f - 1) <= 0.001
+    return abs(ppl_q / ppl_f - 1)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "measured +0.87% (2 x 256 tokens one per step; +0.60% scored 256 rows a call; +0.54% on "
+    "2 x 512): the int8 activations of the "
+    "decode kernel (per group of 32, llama.cpp's Q8_1) cost more than 0.1% on this 135M model, "
+    "spread over every projection (int8 in one projection alone: QKV +0.34%, down +0.19%, "
+    "gate/up +0.14%, head +0.14%, O +0.02%); PRECISE activations pass (next test) at 1.2-2x "
+    "the kernel time, so they are off by default"))
+def test_perplexity_within_a_tenth_of_a_percent_on_the_decode_path(engines) -> None:
+    assert _perplexity_delta(*engines) <= 0.001
+
+
+def test_precise_activations_keep_perplexity_within_a_tenth_of_a_percent(engines) -> None:
+    """The same with the kernel's PRECISE activations (int8 + int8 residual, ~15 bits)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(QuantLinear, "precise", True)
+        assert _perplexity_delta(*engines) <= 0.001
 
 
 def test_greedy_chat_equals_the_dequantized_engine(engines) -> None:
