@@ -47,7 +47,8 @@ def add_simulate_cli(bench: argparse._SubParsersAction) -> None:
     c.set_defaults(func=cmd_case)
     k = sub.add_parser("calibrate", help="fit the CPU step model to the real engine (slow)")
     k.add_argument("--kv-dtypes", type=_csv(str), default=("bfloat16", "int8"))
-    k.add_argument("--fit-level", type=int, default=8)
+    k.add_argument("--fit-levels", type=_csv(int), default=(4, 8),
+                   help="client counts whose steps the CPU constants are fitted on together")
     k.add_argument("--test-level", type=int, default=16)
     k.add_argument("--duration", type=float, default=40.0, help="wall seconds per level")
     k.set_defaults(func=cmd_calibrate)
@@ -107,7 +108,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     for dtype in args.kv_dtypes:
         config = (Config().replace("model", max_model_len=spec.context)
                   .replace("kv_cache", dtype=dtype, num_blocks=1200))
-        runs.append(calibrate(config, spec, args.fit_level, args.test_level, args.duration))
+        runs.append(calibrate(config, spec, args.fit_levels, args.test_level, args.duration))
         e = runs[-1]["step_error_test"]
         print(f"  {dtype}: held-out decode step error median {e['decode'].get('median')}, "
               f"all steps {e['all']['median']}", flush=True)

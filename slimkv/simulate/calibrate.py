@@ -125,23 +125,26 @@ def step_error(steps: list[StepRecord], model: StepModel) -> dict[str, float]:
     return {"decode": stats([s for s in with_batch if s.is_decode]), "all": stats(with_batch)}
 
 
-def calibrate(config: Config, spec: SessionSpec, fit_level: int, test_level: int,
-              duration: float) -> dict[str, Any]:
-    """Measure ``fit_level`` and ``test_level`` on the real engine, fit on the first,
-    predict the second with the simulator (same config, same pool)."""
+def calibrate(config: Config, spec: SessionSpec, fit_levels: tuple[int, ...],
+              test_level: int, duration: float) -> dict[str, Any]:
+    """Measure each of ``fit_levels`` and ``test_level`` on the real engine, fit on the
+    first ones' steps together (one level alone holds the batch size fixed, so it cannot
+    tell the per-step from the per-sequence cost), predict the last with the simulator
+    (same config, same pool)."""
     measured: dict[int, LevelResult] = {}
-    for level in (fit_level, test_level):
+    for level in (*fit_levels, test_level):
         real = RealEngine(config)
         run_level(real, spec, 2, 2.0)                 # warm the kernels up
         real = RealEngine(config)
         cost = cpu_cost(real.engine.runner)
         measured[level] = run_level(real, spec, level, duration, keep_steps=True)
         pool_blocks, soft = real.pool.num_blocks, real.engine.runner.num_staging_slots
-    dev = fit_cpu(measured[fit_level].steps, cost)
+    fit_steps = [s for level in fit_levels for s in measured[level].steps]
+    dev = fit_cpu(fit_steps, cost)
     model = StepModel(dev, cost)
     sim = SimEngine(config.kv_cache, config.scheduler, pool_blocks, spec.context, model, soft)
     predicted = run_level(sim, spec, test_level, duration, keep_steps=True)
-    return {"kv_dtype": config.kv_cache.dtype, "fit_level": fit_level,
+    return {"kv_dtype": config.kv_cache.dtype, "fit_level": "+".join(map(str, fit_levels)),
             "test_level": test_level, "duration_s": duration, "num_blocks": pool_blocks,
             "fitted": {"overhead_ms": round(dev.overhead_s * 1e3, 3),
                        "per_seq_ms": round(dev.per_seq_s * 1e3, 3),
@@ -152,6 +155,6 @@ def calibrate(config: Config, spec: SessionSpec, fit_level: int, test_level: int
                                   for s in measured[level].steps if s.batch is not None]
                           for level in measured},
             "raw_columns": [*FEATURES, "seconds"],
-            "step_error_fit": step_error(measured[fit_level].steps, model),
+            "step_error_fit": step_error(fit_steps, model),
             "step_error_test": step_error(measured[test_level].steps, model),
             "measured": measured[test_level].summary(), "predicted": predicted.summary()}
