@@ -23,6 +23,7 @@ from torch import Tensor
 
 from slimkv.kernels import (KVSide, decode_kernel, describe, kernel_format,
                             kernel_unavailable_reason)
+from slimkv.kernels.stage import KINDS, stage_kernel
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
 from slimkv.metadata import AttentionMetadata, DecodePlan
@@ -131,6 +132,11 @@ class PagedAttention:
         self.fallback_reason = self._fallback_reason()
         self.kernel_unavailable = self._kernel_unavailable()
         self._sides: dict[int, tuple[KVSide, KVSide]] = {}  # per layer, made on first use
+        # The lean decode step (decodes only, staged cache, fused kernel; _lean_decode).
+        lean = (staging is not None and self.fallback_reason is None and
+                staging.buffer.dtype == dtype in KINDS)
+        self._stage = stage_kernel() if lean else None
+        self._q = torch.empty(0)
 
     def _fallback_reason(self) -> str | None:
         """Why the fast quantized path cannot run (None when it can): disabled, or a KV
@@ -159,15 +165,18 @@ class PagedAttention:
         self.layer_path_counts[layer][path] += 1
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
-        """``q [T, num_heads, D]``, ``k, v [T, H_kv, D]`` -> ``[T, num_heads, D]`` in ``dtype``."""
+        """``q [T, num_heads, D]``, ``k, v [T, H_kv, D]`` (any float dtype, taken as rounded
+        to ``dtype``) -> ``[T, num_heads, D]`` in ``dtype``."""
+        plan = meta.decode
+        if plan is not None and plan.whole and self._stage and not self.kernel_unavailable:
+            return self._lean_decode(layer, q, k, v, plan)
+        q, k, v = (x.to(self.dtype) for x in (q, k, v))
         self._write(layer, k, v, meta)
         if self.fallback_reason is not None:
             self._count(layer, "reference")
             return reference_paged_attention(self.cache, layer, q, meta, self.scale, self.dtype,
                                              self.staging)
-        q = q.to(self.dtype)
         out = torch.empty_like(q)
-        plan = meta.decode
         if plan is not None:
             if self.kernel_unavailable is None:
                 self._count(layer, "fused_decode")
@@ -192,7 +201,7 @@ class PagedAttention:
             return
         plan, bs = meta.decode, self.cache.block_size
         if plan is not None:
-            self.staging.append_decodes(layer, plan.staging_slots, plan.seq_lens - 1,
+            self.staging.append_decodes(layer, plan.staging_slots, plan.offsets,
                                         plan.last_block_id, k[plan.rows], v[plan.rows],
                                         plan.filled)
         meta.staged = {}
@@ -204,17 +213,34 @@ class PagedAttention:
                                                      meta.block_tables[i, start // bs:],
                                                      k[rows], v[rows])
 
+    def _lean_decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
+                     plan: DecodePlan) -> Tensor:
+        """A step of decodes only, staged cache, fused kernel: one C call stages K/V and
+        rounds Q (:mod:`slimkv.kernels.stage`), full blocks go to the pool, then attend."""
+        self._count(layer, "fused_decode")
+        q, k, v = (x if self._stage.takes(x) else x.float().contiguous() for x in (q, k, v))
+        if self._q.shape != q.shape:  # one float32 Q buffer, reused by every layer
+            self._q = torch.empty(q.shape, dtype=torch.float32)
+        buffers = self.staging.layer_buffers(layer)
+        q = self._stage(q, k, v, self.dtype, *buffers, plan.staging_slots, plan.offsets,
+                        self._q)
+        self.staging.store_filled(layer, plan.staging_slots, plan.last_block_id, plan.filled)
+        return self._attend(layer, q, plan, buffers).to(self.dtype)
+
     def _fused_decode(self, layer: int, q: Tensor, plan: DecodePlan, out: Tensor) -> None:
-        staged = (None if self.staging is None else
-                  (*self.staging.layer_buffers(layer), plan.staging_slots))
+        buffers = None if self.staging is None else self.staging.layer_buffers(layer)
+        out[plan.rows] = self._attend(layer, q[plan.rows].float(), plan, buffers).to(self.dtype)
+
+    def _attend(self, layer: int, q: Tensor, plan: DecodePlan,
+                buffers: tuple[Tensor, Tensor] | None) -> Tensor:
+        """The fused kernel over float32 ``q [n, Hq, D]`` of the plan's decodes."""
         if layer not in self._sides:
             self._sides[layer] = tuple(describe(self.cache.layer_codecs[layer][side],
                                                 self.cache.layer_pool(side, layer))
                                        for side in ("k", "v"))
-        result = decode_kernel()(q[plan.rows].float(), plan.block_tables, plan.seq_lens,
-                                 *self._sides[layer], self.cache.num_kv_heads,
-                                 self.cache.block_size, self.scale, staged)
-        out[plan.rows] = result.to(self.dtype)
+        return decode_kernel()(q, plan.block_tables, plan.seq_lens, *self._sides[layer],
+                               self.cache.num_kv_heads, self.cache.block_size, self.scale,
+                               None if buffers is None else (*buffers, plan.staging_slots))
 
     def _decode(self, layer: int, q: Tensor, plan: DecodePlan, out: Tensor) -> None:
         """All single-token queries at once; the key-padding mask comes from seq_lens. A

@@ -70,21 +70,24 @@ class DecodePlan:
     last_block: Tensor              # [n] index in the table of the block holding the new token
     last_block_id: Tensor           # [n] that block's id
     filled: Tensor | None           # which of the n tokens fill their block (None: none do)
+    offsets: Tensor                 # [n] the new token's offset in its block
+    whole: bool                     # the step is decodes only (rows == 0..n-1)
 
     @classmethod
     def build(cls, meta: AttentionMetadata) -> DecodePlan | None:
         seqs = [i for i, n in enumerate(meta.query_lens) if n == 1]
         if not seqs:
             return None
-        device = meta.block_tables.device
-        index = torch.tensor(seqs, device=device)
+        device, whole = meta.block_tables.device, len(seqs) == len(meta.query_lens)
+        index = slice(None) if whole else torch.tensor(seqs, device=device)
         tables = meta.block_tables[index].contiguous()
         seq_lens = meta.seq_lens_t[index].contiguous()
         last = (seq_lens - 1) // meta.block_size
+        offsets = (seq_lens - 1) % meta.block_size
         slots = None if meta.staging_slots is None else meta.staging_slots[index].contiguous()
         # Decided on the host, from the host's lengths: no device sync in any layer.
         filled = [j for j, i in enumerate(seqs) if meta.seq_lens[i] % meta.block_size == 0]
         return cls(seqs, torch.tensor([meta.query_start_loc[i] for i in seqs], device=device),
                    tables, seq_lens, max(meta.seq_lens[i] for i in seqs), slots, last,
                    tables.gather(1, last[:, None]).squeeze(1),
-                   torch.tensor(filled, device=device) if filled else None)
+                   torch.tensor(filled, device=device) if filled else None, offsets, whole)

@@ -26,6 +26,8 @@ class Sampler:
         self.grammars = grammars
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+        if all(s.params.greedy and s.params.plain and s.params.logprobs is None for s in seqs):
+            return [SampledToken(t) for t in logits.argmax(dim=-1).tolist()]  # nothing to do
         logits = logits.float().clone()  # processed in place below
         asks = [s.params.logprobs for s in seqs]
         raw = logits.log_softmax(-1) if any(k is not None for k in asks) else None

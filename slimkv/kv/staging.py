@@ -47,6 +47,7 @@ class Staging:
         self.buffer = torch.zeros(2, cache.num_layers, num_slots, cache.block_size,
                                   cache.num_kv_heads, cache.head_dim, dtype=dtype,
                                   device=cache.device)
+        self._layers = [(self.buffer[0, i], self.buffer[1, i]) for i in range(cache.num_layers)]
 
     @staticmethod
     def needed(k_dtype: str, v_dtype: str, head_dim: int, k_scale: str,
@@ -89,14 +90,17 @@ class Staging:
             self.buffer[side, layer, slot, :len(ctx) - last] = ctx[last:]
         return StagedKV(start - held, k_ctx, v_ctx)
 
-    def append_decodes(self, layer: int, slots: Tensor, positions: Tensor, block_ids: Tensor,
+    def append_decodes(self, layer: int, slots: Tensor, offsets: Tensor, block_ids: Tensor,
                        k: Tensor, v: Tensor, filled: Tensor | None) -> None:
-        """One token per sequence at once: token ``i`` at ``positions[i]`` of the block
-        ``block_ids[i]``, staged in ``slots[i]``; the tokens ``filled`` (indices, or None)
-        fill their blocks, which go into the pool."""
-        offsets = positions % self.block_size
+        """One token per sequence at once: token ``i`` at ``offsets[i]`` of the block
+        ``block_ids[i]``, staged in ``slots[i]``; then :meth:`store_filled`."""
         for side, x in enumerate((k, v)):
             self.buffer[side, layer, slots, offsets] = x.to(self.buffer.dtype)
+        self.store_filled(layer, slots, block_ids, filled)
+
+    def store_filled(self, layer: int, slots: Tensor, block_ids: Tensor,
+                     filled: Tensor | None) -> None:
+        """The slots ``slots[filled]`` (indices, or None) hold full blocks: into the pool."""
         if filled is not None:
             blocks = self.buffer[:, layer, slots[filled]]
             self.cache.write_blocks(layer, block_ids[filled], blocks[0], blocks[1])
@@ -110,7 +114,7 @@ class Staging:
 
     def layer_buffers(self, layer: int) -> tuple[Tensor, Tensor]:
         """K and V ``[num_slots, block_size, H, D]`` of one layer (for native kernels)."""
-        return self.buffer[0, layer], self.buffer[1, layer]
+        return self._layers[layer]  # views made once: a decode step asks every layer
 
     def overlay(self, layer: int, k: Tensor, v: Tensor, slots: Tensor,
                 block_index: Tensor) -> None:

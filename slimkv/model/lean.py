@@ -35,10 +35,11 @@ class QuantBlock(nn.Module):
         """``x [T, hidden]`` float32, updated in place and returned; ``cos``, ``sin``
         float32 ``[T, 1, head_dim]`` (the model's tables are float32 once quantized)."""
         a, f = self.attention, self.feed_forward
-        T, dtype = x.shape[0], a.wo.dtype
+        T = x.shape[0]
         qkv = a.wqkv.fused(x, RMSNORM, self.attention_norm)
         a.wqkv.kernel.rope(qkv, a.num_heads + a.num_kv_heads, a.head_dim, cos, sin)
-        q, k, v = (t.view(T, -1, a.head_dim).to(dtype) for t in qkv.split(a.split, dim=-1))
+        # float32 views: the attention rounds them to the model dtype (in its kernel)
+        q, k, v = (t.view(T, -1, a.head_dim) for t in qkv.split(a.split, dim=-1))
         out = attn(a.layer_idx, q, k, v)
         a.wo.fused(out.reshape(T, -1), out=x)
         f.w2.fused(f.w13.fused(x, RMSNORM, self.ffn_norm), SILU_MUL, out=x)
