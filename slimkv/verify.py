@@ -39,8 +39,8 @@ class CheckedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
         a = self.attention
-        out = a(layer, q, k, v, meta)
-        ref = reference_paged_attention(a.cache, layer, q, meta, a.scale, a.dtype,
+        out = a(layer, q, k, v, meta)  # takes q as rounded to a.dtype: the reference must too
+        ref = reference_paged_attention(a.cache, layer, q.to(a.dtype), meta, a.scale, a.dtype,
                                         a.staging).float()
         error = ((out.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
         self.errors[layer] = max(self.errors[layer], error)
