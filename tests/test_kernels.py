@@ -117,7 +117,7 @@ def test_without_a_compiler_decodes_on_sdpa_and_says_why(monkeypatch: pytest.Mon
                                                          tmp_path) -> None:
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv("PATH", str(tmp_path))
-    kernels._build.cache_clear()
+    kernels._KERNEL.reset()
     build.load.cache_clear()  # the shared builder caches each library (or why there is none)
     try:
         cache, staging, step, meta = _decode_step("int8", "int8", "per_token", 64, [20],
@@ -126,7 +126,7 @@ def test_without_a_compiler_decodes_on_sdpa_and_says_why(monkeypatch: pytest.Mon
         assert "no C compiler" in attn.kernel_unavailable
         assert attn.path_counts == {"fast_decode": 1} and out.isfinite().all()
     finally:
-        kernels._build.cache_clear()
+        kernels._KERNEL.reset()
         build.load.cache_clear()
 
 

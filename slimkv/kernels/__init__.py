@@ -11,7 +11,6 @@ the gather-then-SDPA path and reports it, never silently.
 from __future__ import annotations
 
 import ctypes
-from functools import cache
 from pathlib import Path
 
 import torch
@@ -97,18 +96,6 @@ class DecodeKernel:
         return out
 
 
-@cache
-def _build() -> DecodeKernel | str:
-    """The loaded kernel, or why there is none."""
-    lib = build.load(SOURCE)
-    return lib if isinstance(lib, str) else DecodeKernel(lib)
-
-
-def decode_kernel() -> DecodeKernel | None:
-    kernel = _build()
-    return kernel if isinstance(kernel, DecodeKernel) else None
-
-
-def kernel_unavailable_reason() -> str | None:
-    kernel = _build()
-    return kernel if isinstance(kernel, str) else None
+_KERNEL = build.Kernel(SOURCE, DecodeKernel)
+decode_kernel = _KERNEL.get
+kernel_unavailable_reason = _KERNEL.reason

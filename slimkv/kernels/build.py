@@ -15,8 +15,12 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 KERNEL_DIR_ENV = "SLIMKV_KERNEL_DIR"
 # Reassociation lets dot products and sums vectorise as trees; no finite-math assumptions.
@@ -56,3 +60,30 @@ def load(source: Path) -> ctypes.CDLL | str:
                 return f"building {source.name} failed: {result.stderr.strip()[-500:]}"
             built.replace(lib)  # atomic: concurrent builders never load a partial file
     return ctypes.CDLL(str(lib))
+
+
+class Kernel(Generic[T]):
+    """A C source's ctypes wrapper ``wrap(library)``, built and loaded on first use:
+    :meth:`get` (None where it cannot be had) and :meth:`reason` (why not, else None)."""
+
+    def __init__(self, source: Path, wrap: Callable[[ctypes.CDLL], T]) -> None:
+        self.source, self.wrap = source, wrap
+        self._loaded: T | str | None = None
+
+    def _load(self) -> T | str:
+        if self._loaded is None:
+            lib = load(self.source)
+            self._loaded = lib if isinstance(lib, str) else self.wrap(lib)
+        return self._loaded
+
+    def get(self) -> T | None:
+        loaded = self._load()
+        return None if isinstance(loaded, str) else loaded
+
+    def reason(self) -> str | None:
+        loaded = self._load()
+        return loaded if isinstance(loaded, str) else None
+
+    def reset(self) -> None:
+        """Forget the loaded kernel (tests that change the environment's compiler)."""
+        self._loaded = None

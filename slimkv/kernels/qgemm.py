@@ -9,7 +9,6 @@ AVX512-VNNI path (elsewhere a portable loop computes the same values, slowly).
 from __future__ import annotations
 
 import ctypes
-from functools import cache
 from pathlib import Path
 
 import torch
@@ -75,20 +74,9 @@ class QGemm:
                    sin.data_ptr())
 
 
-@cache
-def _load() -> QGemm | str:
-    lib = build.load(SOURCE)
-    return lib if isinstance(lib, str) else QGemm(lib)
-
-
-def qgemm_kernel() -> QGemm | None:
-    kernel = _load()
-    return kernel if isinstance(kernel, QGemm) else None
-
-
-def qgemm_unavailable_reason() -> str | None:
-    kernel = _load()
-    return kernel if isinstance(kernel, str) else None
+_KERNEL = build.Kernel(SOURCE, QGemm)
+qgemm_kernel = _KERNEL.get
+qgemm_unavailable_reason = _KERNEL.reason
 
 
 def qgemm_native() -> bool:

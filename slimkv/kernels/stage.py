@@ -5,7 +5,6 @@ built (the attention then takes its torch path)."""
 from __future__ import annotations
 
 import ctypes
-from functools import cache
 from pathlib import Path
 
 import torch
@@ -46,12 +45,5 @@ class StageKernel:
         return x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
-@cache
-def _load() -> StageKernel | str:
-    lib = build.load(SOURCE)
-    return lib if isinstance(lib, str) else StageKernel(lib)
-
-
-def stage_kernel() -> StageKernel | None:
-    kernel = _load()
-    return kernel if isinstance(kernel, StageKernel) else None
+_KERNEL = build.Kernel(SOURCE, StageKernel)
+stage_kernel = _KERNEL.get
