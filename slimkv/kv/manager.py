@@ -68,8 +68,6 @@ class KVCacheManager:
         return max(0, cdiv(total, self.block_size) - held)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, computed: list[Block] = ()) -> bool:
-        if not computed:   # a running sequence's step: the hot path
-            return self.num_blocks_needed(seq, num_new_tokens) <= self.pool.num_free_blocks
         free_hits = sum(1 for b in computed if b.ref_cnt == 0)
         need = self.num_blocks_needed(seq, num_new_tokens, computed)
         return need + free_hits <= self.pool.num_free_blocks
