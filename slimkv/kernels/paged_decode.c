@@ -284,249 +284,71 @@ attend(const float *qh, float *o, int64_t L, const int64_t *table, int own, int6
 
 
 #if PD_NATIVE
-/* ---- AVX-512: tiles of 16 tokens, split-K ------------------------------------------- */
-enum { TILE = 16, MAX_D = 256, PREFETCH = 2 }; /* native head dims: multiples of 16 up to MAX_D */
-
-/* a[i] summed across its lanes into lane i (a transpose-reduce: 15 adds for 16 sums). The
- * shuffle tree leaves lane i holding the sum of a[P(i)] with P swapping 1<->2, 4<->8, 5<->10,
- * 6<->9, 7<->11, 13<->14 (an involution), so a[P(i)] is fed in. */
-static inline __attribute__((always_inline)) __m512 reduce16(const __m512 *a) {
-    static const int P[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
-    __m512 w[8], u[4], s[2];
-    for (int i = 0; i < 8; i++) /* 256-bit halves: a[P(i)] | a[P(i + 8)] */
-        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[P[i]], a[P[i + 8]], 0x44),
-                             _mm512_shuffle_f32x4(a[P[i]], a[P[i + 8]], 0xEE));
-    for (int i = 0; i < 4; i++) /* 128-bit blocks */
-        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88),
-                             _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
-    for (int i = 0; i < 2; i++) /* lane pairs */
-        s[i] = _mm512_add_ps(_mm512_shuffle_ps(u[i], u[i + 2], 0x44),
-                             _mm512_shuffle_ps(u[i], u[i + 2], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], 0x88), _mm512_shuffle_ps(s[0], s[1], 0xDD));
-}
-
-/* Rows t0 .. t0 + nt of block j (the staged own block when j == own) into tile[TILE][D] in
- * load_raw's order, rows past nt zero; each row's remaining scale into rsc. */
-static inline __attribute__((always_inline)) void
-load_tile(const kv_side *s, const int64_t *table, int j, int own, const void *own_data,
-          int own_kind, int64_t slot, int t0, int nt, int h, int H, int bs, const int D,
-          int folded, const float *bsc, const float *bz, float *tile, float *rsc) {
-    for (int t = 0; t < nt; t++) {
-        rsc[t] = 1.0f;
-        if (j == own) load_staged(s, own_data, own_kind, slot, t0 + t, h, H, bs, D, tile + t * D);
-        else rsc[t] = load_row(s, table[j], t0 + t, h, H, bs, D, folded, bsc, bz, tile + t * D);
-    }
-    for (int t = nt; t < TILE; t++) {
-        rsc[t] = 0.0f;
-        memset(tile + t * D, 0, sizeof(float) * D);
-    }
-}
-
-/* Block blk's rows of head h (and their scales) on their way to L1: the blocks of a
- * sequence lie anywhere in the pool, so the hardware prefetcher cannot guess them. */
-static inline __attribute__((always_inline)) void
-prefetch_block(const kv_side *s, int64_t blk, int h, int H, int bs, const int D) {
-    size_t row_bytes = (size_t)s->width * elem_size(s->kind);
-    const char *base = (const char *)s->data + ((size_t)blk * bs * H + h) * row_bytes;
-    for (int t = 0; t < bs; t++) {
-        const char *row = base + (size_t)t * H * row_bytes;
-        for (size_t off = 0; off < row_bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
-        _mm_prefetch(row + row_bytes - 1, _MM_HINT_T0);
-    }
-    if (s->scale_mode == SCALE_BLOCK) {
-        const char *sc = (const char *)(s->scale + ((size_t)blk * H + h) * D);
-        for (int off = 0; off < D * 2; off += 64) _mm_prefetch(sc + off, _MM_HINT_T0);
-        if (s->zero)
-            for (int off = 0; off < D * 2; off += 64)
-                _mm_prefetch((const char *)(s->zero + ((size_t)blk * H + h) * D) + off, _MM_HINT_T0);
-    } else if (s->scale_mode == SCALE_TOKEN) {
-        const char *sc = (const char *)(s->scale + (size_t)blk * bs * H * s->groups);
-        for (int off = 0; off < bs * H * s->groups * 2; off += 64) _mm_prefetch(sc + off, _MM_HINT_T0);
-    }
-}
-
-/* The G heads of sequence `table`, KV head h, over blocks [j0, j1) (positions below L):
- * per head the running max m[g], sum[g] of exp(score - m) and acc[g * D] = sum of
- * exp(score - m) * v, not yet normalised (split parts are merged by merge_parts). */
-static inline __attribute__((always_inline)) void
-attend_part(const float *qh, int64_t L, const int64_t *table, int own, int64_t slot, int h,
-            int G, int H, const int D, int bs, const kv_side *k, const kv_side *v,
-            const void *own_k, const void *own_v, int own_kind, float sm_scale, int j0, int j1,
-            float *scores, float *m, float *sum, float *acc) {
-    float tile[TILE * D] __attribute__((aligned(64))), rsc[TILE] __attribute__((aligned(64)));
-    float bsc[D], bz[D], qp[G * D], qs[G * D], bias[G];
-    int k_u4 = k->kind == KIND_U4, v_u4 = v->kind == KIND_U4, fold = k->scale_mode == SCALE_BLOCK;
-    int64_t base = (int64_t)j0 * bs, n_all = (L < (int64_t)j1 * bs ? L : (int64_t)j1 * bs) - base;
-    for (int g = 0; g < G; g++) /* q in the order K rows arrive in */
-        for (int d = 0; d < D; d++) qp[g * D + permuted(d, k_u4, D)] = qh[g * D + d] * sm_scale;
-    for (int j = j0; j < j1; j++) { /* scores, 16 tokens at a time */
-        int n = (int)(L - (int64_t)j * bs < bs ? L - (int64_t)j * bs : bs);
-        const float *qk = qp;
-        int jv = j - j1 + PREFETCH + j0; /* near the end: P.V's first blocks */
-        if (j + PREFETCH < j1 && j + PREFETCH != own) prefetch_block(k, table[j + PREFETCH], h, H, bs, D);
-        else if (jv >= j0 && jv != own) prefetch_block(v, table[jv], h, H, bs, D);
-        for (int g = 0; g < G; g++) bias[g] = 0.0f;
-        if (j != own && fold) { /* q.(raw * s + z) = (q * s).raw + q.z */
-            load_block_scale(k, table[j], h, H, D, bsc, bz);
-            for (int g = 0; g < G; g++) {
-                for (int d = 0; d < D; d++) qs[g * D + d] = qp[g * D + d] * bsc[d];
-                if (k->zero) bias[g] = dot(qp + g * D, bz, D);
-            }
-            qk = qs;
-        }
-        for (int t0 = 0; t0 < n; t0 += TILE) {
-            int nt = n - t0 < TILE ? n - t0 : TILE;
-            __mmask16 keep = (__mmask16)((1u << nt) - 1);
-            load_tile(k, table, j, own, own_k, own_kind, slot, t0, nt, h, H, bs, D, fold, bsc,
-                      bz, tile, rsc);
-            __m512 tsc = _mm512_load_ps(rsc);
-            for (int g = 0; g < G; g++) {
-                __m512 a[TILE];
-                for (int t = 0; t < TILE; t++) {
-                    a[t] = _mm512_mul_ps(_mm512_loadu_ps(qk + g * D), _mm512_load_ps(tile + t * D));
-                    for (int d = 16; d < D; d += 16)
-                        a[t] = _mm512_fmadd_ps(_mm512_loadu_ps(qk + g * D + d),
-                                               _mm512_load_ps(tile + t * D + d), a[t]);
-                }
-                __m512 sc = _mm512_fmadd_ps(reduce16(a), tsc, _mm512_set1_ps(bias[g]));
-                _mm512_mask_storeu_ps(scores + g * n_all + (int64_t)j * bs - base + t0, keep, sc);
-            }
-        }
-    }
-    for (int g = 0; g < G; g++) { /* softmax numerators */
-        float mx = -INFINITY, s = 0.0f, *sc = scores + g * n_all;
-#pragma omp simd reduction(max : mx)
-        for (int64_t i = 0; i < n_all; i++) mx = sc[i] > mx ? sc[i] : mx;
-#pragma omp simd reduction(+ : s)
-        for (int64_t i = 0; i < n_all; i++) {
-            sc[i] = exp_nonpos(sc[i] - mx);
-            s += sc[i];
-        }
-        m[g] = mx;
-        sum[g] = s;
-    }
-    memset(acc, 0, sizeof(float) * G * D);
-    for (int j = j0; j < j1; j++) { /* P.V: each value row converted once for the G heads */
-        int n = (int)(L - (int64_t)j * bs < bs ? L - (int64_t)j * bs : bs);
-        if (j != own) load_block_scale(v, table[j], h, H, D, bsc, bz);
-        if (j + PREFETCH < j1 && j + PREFETCH != own) prefetch_block(v, table[j + PREFETCH], h, H, bs, D);
-        for (int t0 = 0; t0 < n; t0 += TILE) {
-            int nt = n - t0 < TILE ? n - t0 : TILE;
-            load_tile(v, table, j, own, own_v, own_kind, slot, t0, nt, h, H, bs, D, 0, bsc, bz,
-                      tile, rsc);
-            for (int g = 0; g < G; g++) {
-                float p[TILE] __attribute__((aligned(64)));
-                __mmask16 keep = (__mmask16)((1u << nt) - 1);
-                __m512 pv = _mm512_maskz_loadu_ps(keep, scores + g * n_all + (int64_t)j * bs - base + t0);
-                _mm512_store_ps(p, _mm512_mul_ps(pv, _mm512_load_ps(rsc)));
-                __m512 o[MAX_D / 16]; /* registers when D is a literal */
-                for (int d = 0; d < D / 16; d++) o[d] = _mm512_loadu_ps(acc + g * D + 16 * d);
-                for (int t = 0; t < nt; t++) {
-                    __m512 pt = _mm512_set1_ps(p[t]);
-                    for (int d = 0; d < D / 16; d++)
-                        o[d] = _mm512_fmadd_ps(pt, _mm512_load_ps(tile + t * D + 16 * d), o[d]);
-                }
-                for (int d = 0; d < D / 16; d++) _mm512_storeu_ps(acc + g * D + 16 * d, o[d]);
-            }
-        }
-    }
-    if (v_u4) /* acc back to channel order */
-        for (int g = 0; g < G; g++) {
-            float natural[D];
-            for (int d = 0; d < D; d++) natural[d] = acc[g * D + permuted(d, 1, D)];
-            memcpy(acc + g * D, natural, sizeof(float) * D);
-        }
-}
+#include "paged_decode_avx512.h"
 #endif
 
 /* ---- entry point --------------------------------------------------------------------- */
 
-/* One task: sequence b, KV head h, blocks [j0, j1); `part` indexes its partial result. */
+/* One task: sequence b over its blocks [j0, j1), all heads; `part` indexes its result. */
 typedef struct {
-    int b, h, j0, j1, part;
+    int b, j0, j1, part;
 } task;
 
-/* Split parts p0 .. p0 + np of one (sequence, KV head) merged by their maxima (log-sum-exp)
- * into out[G * D]. One part is exactly acc / sum. */
-static void merge_parts(const float *parts, int p0, int np, int G, int D, float *out) {
-    size_t stride = (size_t)G * (D + 2);
-    for (int g = 0; g < G; g++) {
+/* Parts p0 .. p0 + np of one sequence ([Hq * D] acc, [Hq] max, [Hq] sum each) merged by
+ * their maxima (log-sum-exp) into out[Hq * D]. One part is exactly acc / sum. */
+static void merge_parts(const float *parts, int p0, int np, int Hq, int D, float *out) {
+    size_t stride = (size_t)Hq * (D + 2);
+    for (int i = 0; i < Hq; i++) {
         float mx = -INFINITY, s = 0.0f, w[np];
         for (int p = 0; p < np; p++) {
-            float m = parts[(p0 + p) * stride + (size_t)G * D + g];
+            float m = parts[(p0 + p) * stride + (size_t)Hq * D + i];
             mx = m > mx ? m : mx;
         }
         for (int p = 0; p < np; p++) {
-            const float *part = parts + (p0 + p) * stride + (size_t)G * D;
-            w[p] = np == 1 ? 1.0f : exp_nonpos(part[g] - mx);
-            s += w[p] * part[G + g];
+            const float *part = parts + (p0 + p) * stride + (size_t)Hq * D;
+            w[p] = np == 1 ? 1.0f : exp_nonpos(part[i] - mx);
+            s += w[p] * part[Hq + i];
         }
         for (int d = 0; d < D; d++) {
             float a = 0.0f;
-            for (int p = 0; p < np; p++) a += w[p] * parts[(p0 + p) * stride + g * D + d];
-            out[g * D + d] = a / s;
+            for (int p = 0; p < np; p++) a += w[p] * parts[(p0 + p) * stride + (size_t)i * D + d];
+            out[i * D + d] = a / s;
         }
     }
 }
 
-/* Blocks per task: whole sequences while B * H tasks keep every thread busy; long sequences
- * of a small batch are split so that there are about 8 tasks per thread (flash-decoding). */
-static int blocks_per_task(int B, int H, int bs, const int64_t *seq_lens) {
-    int64_t blocks = 0;
-    for (int b = 0; b < B; b++) blocks += (seq_lens[b] + bs - 1) / bs;
-    int64_t per = (blocks * H + 8 * omp_get_max_threads() - 1) / (8 * omp_get_max_threads());
-    int min_blocks = (256 + bs - 1) / bs; /* below ~256 tokens a split costs more than it saves */
-    return (int)(per < min_blocks ? min_blocks : per);
+/* Parts of a sequence of nblocks: one while the batch alone keeps every thread busy; a
+ * small batch's long sequences are split so that there are ~8 tasks per thread
+ * (flash-decoding), in parts of at least ~256 tokens (shorter ones cost more than they save). */
+static int num_parts_of(int64_t nblocks, int64_t all_blocks, int bs) {
+    int64_t tasks = 8 * (int64_t)omp_get_max_threads();
+    int64_t per = (all_blocks + tasks - 1) / tasks, min_blocks = (256 + bs - 1) / bs;
+    per = per < min_blocks ? min_blocks : per;
+    return (int)((nblocks + per - 1) / per);
 }
 
-/* q, out: [B, Hq, D] float32. block_tables [B, max_blocks], seq_lens [B], own_slots [B]
- * (staging slot per sequence; NULL when the cache is not staged). */
-void paged_decode(const float *q, float *out, int B, int Hq, int H, int D, int bs,
-                  const int64_t *block_tables, int max_blocks, const int64_t *seq_lens,
-                  const kv_side *k, const kv_side *v, const void *own_k, const void *own_v,
-                  int own_kind, const int64_t *own_slots, float sm_scale) {
-    int G = Hq / H;
-    if (!PD_NATIVE || D % 16 || D > 256) {
-#pragma omp parallel for collapse(2) schedule(dynamic, 1)
-        for (int b = 0; b < B; b++) {
-            for (int h = 0; h < H; h++) {
-                int64_t L = seq_lens[b];
-                int own = own_slots ? (int)((L - 1) / bs) : -1;
-                int64_t slot = own_slots ? own_slots[b] : 0;
-                const int64_t *table = block_tables + (size_t)b * max_blocks;
-                size_t head = ((size_t)b * Hq + (size_t)h * G) * D;
-                float *scores = malloc(sizeof(float) * G * L);
-                if (D == 64) /* literal head dims get unrolled code; any other works too */
-                    attend(q + head, out + head, L, table, own, slot, h, G, H, 64, bs, k, v,
-                           own_k, own_v, own_kind, sm_scale, scores);
-                else if (D == 128)
-                    attend(q + head, out + head, L, table, own, slot, h, G, H, 128, bs, k, v,
-                           own_k, own_v, own_kind, sm_scale, scores);
-                else
-                    attend(q + head, out + head, L, table, own, slot, h, G, H, D, bs, k, v,
-                           own_k, own_v, own_kind, sm_scale, scores);
-                free(scores);
-            }
-        }
-        return;
-    }
 #if PD_NATIVE
-    int per = blocks_per_task(B, H, bs, seq_lens), num_tasks = 0, num_parts = 0;
-    for (int b = 0; b < B; b++) num_tasks += (int)(((seq_lens[b] + bs - 1) / bs + per - 1) / per);
-    num_tasks *= H;
+static void paged_decode_native(const float *q, float *out, int B, int Hq, int H, int D, int bs,
+                                const int64_t *block_tables, int max_blocks,
+                                const int64_t *seq_lens, const kv_side *k, const kv_side *v,
+                                const void *own_k, const void *own_v, int own_kind,
+                                const int64_t *own_slots, float sm_scale) {
+    int G = Hq / H, num_tasks = 0;
+    int64_t all_blocks = 0;
+    for (int b = 0; b < B; b++) all_blocks += (seq_lens[b] + bs - 1) / bs;
+    for (int b = 0; b < B; b++) num_tasks += num_parts_of((seq_lens[b] + bs - 1) / bs, all_blocks, bs);
     task *tasks = malloc(sizeof(task) * num_tasks);
-    int *first = malloc(sizeof(int) * (B * H + 1)); /* (b, h)'s parts: first[bh] .. first[bh+1] */
-    for (int b = 0; b < B; b++)
-        for (int h = 0; h < H; h++) {
-            int nblocks = (int)((seq_lens[b] + bs - 1) / bs);
-            first[b * H + h] = num_parts;
-            for (int j0 = 0; j0 < nblocks; j0 += per, num_parts++)
-                tasks[num_parts] = (task){b, h, j0, j0 + per < nblocks ? j0 + per : nblocks,
-                                          num_parts};
-        }
-    first[B * H] = num_parts;
-    size_t stride = (size_t)G * (D + 2);
-    float *parts = malloc(sizeof(float) * stride * num_parts);
+    int *first = malloc(sizeof(int) * (B + 1)); /* sequence b's parts: first[b] .. first[b+1] */
+    for (int b = 0, i = 0; b < B; b++) {
+        int nblocks = (int)((seq_lens[b] + bs - 1) / bs);
+        int np = num_parts_of(nblocks, all_blocks, bs), per = (nblocks + np - 1) / np;
+        first[b] = i;
+        for (int j0 = 0; j0 < nblocks; j0 += per, i++)
+            tasks[i] = (task){b, j0, j0 + per < nblocks ? j0 + per : nblocks, i};
+    }
+    first[B] = num_tasks;
+    size_t stride = (size_t)Hq * (D + 2);
+    float *parts = malloc(sizeof(float) * stride * num_tasks);
 #pragma omp parallel for schedule(dynamic, 1)
     for (int i = 0; i < num_tasks; i++) {
         task t = tasks[i];
@@ -534,26 +356,62 @@ void paged_decode(const float *q, float *out, int B, int Hq, int H, int D, int b
         int own = own_slots ? (int)((L - 1) / bs) : -1;
         int64_t slot = own_slots ? own_slots[t.b] : 0;
         const int64_t *table = block_tables + (size_t)t.b * max_blocks;
-        const float *qh = q + ((size_t)t.b * Hq + (size_t)t.h * G) * D;
-        float *acc = parts + stride * t.part, *m = acc + (size_t)G * D, *sum = m + G;
-        float *scores = malloc(sizeof(float) * G * (size_t)(t.j1 - t.j0) * bs);
-        if (D == 64)
-            attend_part(qh, L, table, own, slot, t.h, G, H, 64, bs, k, v, own_k, own_v, own_kind,
+        const float *qb = q + (size_t)t.b * Hq * D;
+        float *acc = parts + stride * t.part, *m = acc + (size_t)Hq * D, *sum = m + Hq;
+        float *scores = malloc(sizeof(float) * Hq * (size_t)(t.j1 - t.j0) * bs);
+        if (D == 64) /* literal head dims get unrolled code */
+            attend_part(qb, L, table, own, slot, H, G, 64, bs, k, v, own_k, own_v, own_kind,
                         sm_scale, t.j0, t.j1, scores, m, sum, acc);
         else if (D == 128)
-            attend_part(qh, L, table, own, slot, t.h, G, H, 128, bs, k, v, own_k, own_v,
-                        own_kind, sm_scale, t.j0, t.j1, scores, m, sum, acc);
+            attend_part(qb, L, table, own, slot, H, G, 128, bs, k, v, own_k, own_v, own_kind,
+                        sm_scale, t.j0, t.j1, scores, m, sum, acc);
         else
-            attend_part(qh, L, table, own, slot, t.h, G, H, D, bs, k, v, own_k, own_v, own_kind,
+            attend_part(qb, L, table, own, slot, H, G, D, bs, k, v, own_k, own_v, own_kind,
                         sm_scale, t.j0, t.j1, scores, m, sum, acc);
         free(scores);
     }
 #pragma omp parallel for schedule(static)
-    for (int bh = 0; bh < B * H; bh++)
-        merge_parts(parts, first[bh], first[bh + 1] - first[bh], G, D,
-                    out + ((size_t)(bh / H) * Hq + (size_t)(bh % H) * G) * D);
+    for (int b = 0; b < B; b++)
+        merge_parts(parts, first[b], first[b + 1] - first[b], Hq, D, out + (size_t)b * Hq * D);
     free(parts);
     free(first);
     free(tasks);
+}
 #endif
+
+/* q, out: [B, Hq, D] float32. block_tables [B, max_blocks], seq_lens [B], own_slots [B]
+ * (staging slot per sequence; NULL when the cache is not staged). */
+void paged_decode(const float *q, float *out, int B, int Hq, int H, int D, int bs,
+                  const int64_t *block_tables, int max_blocks, const int64_t *seq_lens,
+                  const kv_side *k, const kv_side *v, const void *own_k, const void *own_v,
+                  int own_kind, const int64_t *own_slots, float sm_scale) {
+#if PD_NATIVE
+    if (D % 16 == 0 && D <= MAX_D) {
+        paged_decode_native(q, out, B, Hq, H, D, bs, block_tables, max_blocks, seq_lens, k, v,
+                            own_k, own_v, own_kind, own_slots, sm_scale);
+        return;
+    }
+#endif
+    int G = Hq / H;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+    for (int b = 0; b < B; b++) {
+        for (int h = 0; h < H; h++) {
+            int64_t L = seq_lens[b];
+            int own = own_slots ? (int)((L - 1) / bs) : -1;
+            int64_t slot = own_slots ? own_slots[b] : 0;
+            const int64_t *table = block_tables + (size_t)b * max_blocks;
+            size_t head = ((size_t)b * Hq + (size_t)h * G) * D;
+            float *scores = malloc(sizeof(float) * G * L);
+            if (D == 64) /* literal head dims get unrolled code; any other works too */
+                attend(q + head, out + head, L, table, own, slot, h, G, H, 64, bs, k, v, own_k,
+                       own_v, own_kind, sm_scale, scores);
+            else if (D == 128)
+                attend(q + head, out + head, L, table, own, slot, h, G, H, 128, bs, k, v, own_k,
+                       own_v, own_kind, sm_scale, scores);
+            else
+                attend(q + head, out + head, L, table, own, slot, h, G, H, D, bs, k, v, own_k,
+                       own_v, own_kind, sm_scale, scores);
+            free(scores);
+        }
+    }
 }
