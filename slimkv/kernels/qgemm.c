@@ -29,7 +29,13 @@
 #endif
 
 enum { IN_PLAIN = 0, IN_RMSNORM = 1, IN_SILU_MUL = 2, IN_PRECISE = 4 }; /* 4: OR'ed flag */
-enum { MT = 4 }; /* activation rows per weight pass */
+#ifndef QG_MT
+#define QG_MT 4 /* activation rows per weight pass */
+#endif
+#ifndef QG_WIDE
+#define QG_WIDE 2 /* tiles per pass where rows are blocked by 3 or more */
+#endif
+enum { MT = QG_MT };
 
 int qgemm_native(void) { return QG_NATIVE; }
 
@@ -169,20 +175,26 @@ micro(const uint8_t *w, const int bits, int nb, int t0, const int NT, const int8
     case 1: micro(w, bits, nb, t, NT, qa, ad, as, K, r, 1, y, N, acc); break;               \
     case 2: micro(w, bits, nb, t, NT, qa, ad, as, K, r, 2, y, N, acc); break;               \
     case 3: micro(w, bits, nb, t, NT, qa, ad, as, K, r, 3, y, N, acc); break;               \
-    default: micro(w, bits, nb, t, NT, qa, ad, as, K, r, 4, y, N, acc); break;              \
+    case 4: micro(w, bits, nb, t, NT, qa, ad, as, K, r, 4, y, N, acc); break;               \
+    case 5: micro(w, bits, nb, t, NT, qa, ad, as, K, r, 5 <= MT ? 5 : 1, y, N, acc); break; \
+    case 6: micro(w, bits, nb, t, NT, qa, ad, as, K, r, 6 <= MT ? 6 : 1, y, N, acc); break; \
+    case 7: micro(w, bits, nb, t, NT, qa, ad, as, K, r, 7 <= MT ? 7 : 1, y, N, acc); break; \
+    default: micro(w, bits, nb, t, NT, qa, ad, as, K, r, 8 <= MT ? 8 : 1, y, N, acc); break; \
     }
 
 /* Tiles [t0, t1) for all R rows: blocks of up to 4 tiles (2 where rows are blocked by 3-4)
  * stay in L1 across the row blocks. */
 static void tiles_native(const uint8_t *w, int bits, int K, int t0, int t1, const int8_t *qa,
                          const float *ad, const float *as, int R, float *y, int N, int acc) {
-    int nb = K / 32, wide = R <= 2 ? 4 : 2;
+    int nb = K / 32, wide = R <= 2 ? 4 : QG_WIDE;
     for (int t = t0; t < t1;) {
         int nt = t1 - t >= wide ? wide : 1;
         for (int r = 0; r < R; r += MT) {
             int mr = R - r < MT ? R - r : MT;
             if (nt == 4) {
                 MICRO(4)
+            } else if (nt == 3) {
+                MICRO(3)
             } else if (nt == 2) {
                 MICRO(2)
             } else {
