@@ -10,18 +10,18 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter
-from typing import Hashable
+from typing import Callable, Hashable
 
 import torch
 
-from slimkv.config import Config
+from slimkv.config import Config, ConfigError
 from slimkv.engine_stats import BlockInfo, EngineStats, LaneCounts
 from slimkv.kv.block_pool import BlockPool
+from slimkv.kv.connector import KVConnector
 from slimkv.kv.contiguous import ContiguousKVManager
 from slimkv.kv.manager import KVCacheManager
 from slimkv.choices import Choices
 from slimkv.logprobs import SampledToken, token_logprobs
-from slimkv.kv.offload import attach_offload
 from slimkv.outputs import Detokenizer, RequestOutput
 from slimkv.runner import ModelRunner
 from slimkv.sampling import SamplingParams
@@ -34,7 +34,11 @@ class RequestError(ValueError):
 
 
 class LLMEngine:
-    def __init__(self, config: Config) -> None:
+    """``connector``: makes the KV store below the pool that ``kv_cache.offload`` asks for
+    (the engine's plug-ins come from whoever builds it: :func:`slimkv.plugins.build_engine`)."""
+
+    def __init__(self, config: Config,
+                 connector: Callable[[ModelRunner], KVConnector] | None = None) -> None:
         self.config = config
         self.runner = ModelRunner(config)
         self.model_args, self.tokenizer = self.runner.model_args, self.runner.tokenizer
@@ -47,7 +51,7 @@ class LLMEngine:
                     num_staging_slots=self.runner.num_staging_slots)
         self.manager = (KVCacheManager(self.pool, kv.block_size, **opts) if kv.paged else
                         ContiguousKVManager(self.pool, kv.block_size, self.max_model_len, **opts))
-        self.tier = attach_offload(self) if kv.offload is not None else None
+        self.connector = self._connect(connector) if kv.offload is not None else None
         self.scheduler = Scheduler(kv, config.scheduler, self.manager)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Sequence] = {}  # every live sequence, by its own id
@@ -62,6 +66,15 @@ class LLMEngine:
                            memory=runner.memory_split(), watermark=kv.watermark,
                            evict_policy=kv.evict_policy,
                            max_concurrency_soft=kv.max_concurrency_soft)
+
+    def _connect(self, make: Callable[[ModelRunner], KVConnector] | None) -> KVConnector:
+        if make is None:
+            raise ConfigError("kv_cache.offload: this engine was built without a KV connector "
+                              "(slimkv.plugins.build_engine adds the offload tier)")
+        connector = make(self.runner)
+        connector.attach(self.pool)
+        self.manager.connector = connector
+        return connector
 
     # -- requests ----------------------------------------------------------------------
 
@@ -138,7 +151,7 @@ class LLMEngine:
             preemptions=sched.num_preemptions, evictions=pool.num_evictions,
             false_ooms=getattr(manager, "num_false_oom", 0),
             attention_paths=dict(self.runner.attention.path_counts),
-            finished=dict(self.finished_reasons), offload=self.tier.stats() if self.tier else {})
+            finished=dict(self.finished_reasons), offload=self.connector.stats() if self.connector else {})
 
     def block_map(self) -> list[BlockInfo]:
         """Every block of the pool, in id order, with its state and holders."""
