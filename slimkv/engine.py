@@ -21,10 +21,9 @@ from slimkv.kv.connector import KVConnector
 from slimkv.kv.contiguous import ContiguousKVManager
 from slimkv.kv.manager import KVCacheManager
 from slimkv.choices import Choices
-from slimkv.logprobs import SampledToken, token_logprobs
-from slimkv.outputs import Detokenizer, RequestOutput
+from slimkv.outputs import Detokenizer, RequestOutput, token_logprobs
 from slimkv.runner import ModelRunner
-from slimkv.sampling import SamplingParams
+from slimkv.sampling import LogitsProcessor, SampledToken, SamplingParams
 from slimkv.scheduler import Scheduler
 from slimkv.sequence import Sequence, SequenceStatus
 
@@ -34,13 +33,15 @@ class RequestError(ValueError):
 
 
 class LLMEngine:
-    """``connector``: makes the KV store below the pool that ``kv_cache.offload`` asks for
-    (the engine's plug-ins come from whoever builds it: :func:`slimkv.plugins.build_engine`)."""
+    """Plug-ins, from whoever builds the engine (:func:`slimkv.plugins.build_engine`):
+    ``processors`` makes the sampler's logits processors (a request asking for an option none
+    serves is refused), ``connector`` the KV store below the pool for ``kv_cache.offload``."""
 
     def __init__(self, config: Config,
+                 processors: Callable[[ModelRunner], list[LogitsProcessor]] | None = None,
                  connector: Callable[[ModelRunner], KVConnector] | None = None) -> None:
         self.config = config
-        self.runner = ModelRunner(config)
+        self.runner = ModelRunner(config, processors)
         self.model_args, self.tokenizer = self.runner.model_args, self.runner.tokenizer
         self.model_name = config.model.name or self.tokenizer.name
         self.max_model_len = self.runner.max_model_len
@@ -90,8 +91,7 @@ class LLMEngine:
         group = [Sequence(request_id, ids, params, session_id=session_id if i == 0 else None,
                           index=i) for i in range(params.n)]
         for seq in group:
-            seq.matcher = (self.runner.grammars.matcher(params.json_schema)
-                           if params.json_schema is not None else None)
+            self.runner.sampler.add(seq)
             seq.arrival_step = self.num_steps
             self.requests[seq.request_id] = seq
         self.choices.add(group)
@@ -101,6 +101,9 @@ class LLMEngine:
     def check_request(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise RequestError("the prompt is empty")
+        if unserved := params.options - self.runner.sampler.options:
+            raise RequestError(f"this engine has no logits processor for {sorted(unserved)} "
+                               "(slimkv.plugins.build_engine adds them)")
         if any(not 0 <= t < self.model_args.vocab_size for t in ids):
             raise RequestError(f"prompt token ids must be in [0, {self.model_args.vocab_size})")
         total = len(ids) + params.max_tokens

@@ -19,8 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "slimkv"
 CORE_LAYERS = [
     ["slimkv.config", "slimkv.stats", "slimkv.engine_stats"],
     ["slimkv.kernels.build", "slimkv.kernels.qgemm"],
-    ["slimkv.model", "slimkv.sampling_params", "slimkv.sampling", "slimkv.logits_process",
-     "slimkv.structured", "slimkv.logprobs", "slimkv.choices", "slimkv.kv.quant",
+    ["slimkv.model", "slimkv.sampling_params", "slimkv.sampling", "slimkv.choices", "slimkv.kv.quant",
      "slimkv.kv.block_scales", "slimkv.kv.layers", "slimkv.kv.block_pool", "slimkv.kv.connector",
      "slimkv.sequence",
      "slimkv.kv.manager", "slimkv.kv.contiguous", "slimkv.outputs"],
@@ -31,7 +30,7 @@ CORE_LAYERS = [
     ["slimkv.engine"],
     # Plug-ins: the core calls them through a protocol and never imports them; they import
     # the core below the engine, and the engine's builder (slimkv.plugins) imports them.
-    ["slimkv.kv.offload"],
+    ["slimkv.kv.offload", "slimkv.options"],
     ["slimkv.llm", "slimkv.plugins", "slimkv.workload", "slimkv"],
 ]
 # Modules that plan, bench, serve or verify: above the core.
