@@ -24,7 +24,8 @@ from slimkv.config import Config
 from slimkv.engine import LLMEngine
 from slimkv.plugins import build_engine
 from slimkv.sampling import SamplingParams
-from slimkv.stats import cdiv, percentile
+from slimkv.stats import cdiv
+from slimkv.workload import percentile
 
 MODES = ("off", "host", "disk")
 

@@ -15,8 +15,7 @@ from slimkv.bench.engine import machine_info
 from slimkv.config import Config
 from slimkv.plugins import build_engine
 from slimkv.sampling import SamplingParams
-from slimkv.stats import percentile
-from slimkv.workload import random_prompt
+from slimkv.workload import percentile, random_prompt
 
 
 def run_lanes(config: Config, policy: str, long_tokens: int, num_short: int,
