@@ -379,19 +379,12 @@ static void paged_decode_native(const float *q, float *out, int B, int Hq, int H
 }
 #endif
 
-/* q, out: [B, Hq, D] float32. block_tables [B, max_blocks], seq_lens [B], own_slots [B]
- * (staging slot per sequence; NULL when the cache is not staged). */
-void paged_decode(const float *q, float *out, int B, int Hq, int H, int D, int bs,
-                  const int64_t *block_tables, int max_blocks, const int64_t *seq_lens,
-                  const kv_side *k, const kv_side *v, const void *own_k, const void *own_v,
-                  int own_kind, const int64_t *own_slots, float sm_scale) {
-#if PD_NATIVE
-    if (D % 16 == 0 && D <= MAX_D) {
-        paged_decode_native(q, out, B, Hq, H, D, bs, block_tables, max_blocks, seq_lens, k, v,
-                            own_k, own_v, own_kind, own_slots, sm_scale);
-        return;
-    }
-#endif
+/* paged_decode on the portable loop, whatever the CPU (tests compare the two). */
+void paged_decode_portable(const float *q, float *out, int B, int Hq, int H, int D, int bs,
+                           const int64_t *block_tables, int max_blocks, const int64_t *seq_lens,
+                           const kv_side *k, const kv_side *v, const void *own_k,
+                           const void *own_v, int own_kind, const int64_t *own_slots,
+                           float sm_scale) {
     int G = Hq / H;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int b = 0; b < B; b++) {
@@ -415,3 +408,23 @@ void paged_decode(const float *q, float *out, int B, int Hq, int H, int D, int b
         }
     }
 }
+
+/* q, out: [B, Hq, D] float32. block_tables [B, max_blocks], seq_lens [B], own_slots [B]
+ * (staging slot per sequence; NULL when the cache is not staged). */
+void paged_decode(const float *q, float *out, int B, int Hq, int H, int D, int bs,
+                  const int64_t *block_tables, int max_blocks, const int64_t *seq_lens,
+                  const kv_side *k, const kv_side *v, const void *own_k, const void *own_v,
+                  int own_kind, const int64_t *own_slots, float sm_scale) {
+#if PD_NATIVE
+    if (D % 16 == 0 && D <= MAX_D) {
+        paged_decode_native(q, out, B, Hq, H, D, bs, block_tables, max_blocks, seq_lens, k, v,
+                            own_k, own_v, own_kind, own_slots, sm_scale);
+        return;
+    }
+#endif
+    paged_decode_portable(q, out, B, Hq, H, D, bs, block_tables, max_blocks, seq_lens, k, v,
+                          own_k, own_v, own_kind, own_slots, sm_scale);
+}
+
+/* Whether paged_decode takes the AVX-512 path for head dim D. */
+int paged_decode_native_for(int D) { return PD_NATIVE && D % 16 == 0 && D <= 256; }

@@ -81,13 +81,82 @@ prefetch_block(const kv_side *s, int64_t blk, int H, int bs, const int D) {
 /* load_block_scale with vector conversions (int4 sides keep the scalar permuting loop). */
 static inline __attribute__((always_inline)) void
 block_scale(const kv_side *s, int64_t blk, int h, int H, const int D, float *bsc, float *bz) {
-    if (s->scale_mode != SCALE_BLOCK || s->kind == KIND_U4) {
+    if (s->scale_mode != SCALE_BLOCK || (s->kind == KIND_U4 && D % 32)) {
         load_block_scale(s, blk, h, H, D, bsc, bz);
         return;
     }
     const _Float16 *sc = s->scale + ((size_t)blk * H + h) * D;
-    for (int d = 0; d < D; d += 16)
-        _mm512_storeu_ps(bsc + d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + d))));
+    if (s->kind != KIND_U4) {
+        for (int d = 0; d < D; d += 16)
+            _mm512_storeu_ps(bsc + d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + d))));
+        return;
+    }
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int side = 0; side < 2; side++) { /* int4: channel d to permuted(d): evens, then odds */
+        const _Float16 *src = side ? s->zero + ((size_t)blk * H + h) * D : sc;
+        float *dst = side ? bz : bsc;
+        for (int d = 0; d < D; d += 32) {
+            __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + d)));
+            __m512 b = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + d + 16)));
+            _mm512_storeu_ps(dst + d / 2, _mm512_permutex2var_ps(a, even, b));
+            _mm512_storeu_ps(dst + D / 2 + d / 2, _mm512_permutex2var_ps(a, odd, b));
+        }
+    }
+}
+
+/* load_row with vector conversions for the 8-bit and int4 pool formats (others, and
+ * block-scaled rows whose scale is not folded, go to load_row). fp8 codes become fp16 ones:
+ * e5m2 is the top byte of an fp16, e4m3's bits shifted into fp16's field read 2^-8 of the
+ * value (subnormals included), so a multiply by 256 restores it exactly. */
+static inline __attribute__((always_inline)) float
+row(const kv_side *s, int64_t blk, int t, int h, int H, int bs, const int D, int folded,
+    const float *bsc, const float *bz, float *out) {
+    size_t token = ((size_t)blk * bs + t) * H + h;
+    const uint8_t *r = (const uint8_t *)s->data + token * s->width;
+    int half = D / 2, gs = s->kind == KIND_U4 ? half / s->groups : 0;
+    if ((s->scale_mode == SCALE_BLOCK && !folded) || s->kind < KIND_I8 ||
+        (s->kind == KIND_U4 && (D % 32 || (s->scale_mode == SCALE_TOKEN && gs % 16))))
+        return load_row(s, blk, t, h, H, bs, D, folded, bsc, bz, out);
+    switch (s->kind) {
+    case KIND_I8:
+        for (int d = 0; d < D; d += 16)
+            _mm512_storeu_ps(out + d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                          _mm_loadu_si128((const __m128i *)(r + d)))));
+        break;
+    case KIND_E5M2:
+        for (int d = 0; d < D; d += 16) {
+            __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r + d)));
+            _mm512_storeu_ps(out + d, _mm512_cvtph_ps(_mm256_slli_epi16(x, 8)));
+        }
+        break;
+    case KIND_E4M3:
+        for (int d = 0; d < D; d += 16) {
+            __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r + d)));
+            __m256i h16 = _mm256_or_si256(
+                _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
+                _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7));
+            _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_cvtph_ps(h16), _mm512_set1_ps(256.0f)));
+        }
+        break;
+    case KIND_U4: /* low nibbles to out[0, half), high ones to out[half, D) */
+        for (int i = 0; i < half; i += 16) {
+            __m128i x = _mm_loadu_si128((const __m128i *)(r + i)), low = _mm_set1_epi8(15);
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(x, low)));
+            __m512 hi = _mm512_cvtepi32_ps(
+                _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(x, 4), low)));
+            if (s->scale_mode == SCALE_TOKEN) { /* the group of elements i .. i + 15 */
+                size_t g = token * s->groups + i / gs;
+                __m512 sc = _mm512_set1_ps((float)s->scale[g]), z = _mm512_set1_ps((float)s->zero[g]);
+                lo = _mm512_fmadd_ps(lo, sc, z);
+                hi = _mm512_fmadd_ps(hi, sc, z);
+            }
+            _mm512_storeu_ps(out + i, lo);
+            _mm512_storeu_ps(out + half + i, hi);
+        }
+        return 1.0f;
+    }
+    return s->scale_mode == SCALE_TOKEN ? (float)s->scale[token] : 1.0f;
 }
 
 /* Rows t0 .. t0 + nt of head h of block j (the staged own block when j == own) into
@@ -99,7 +168,7 @@ load_tile(const kv_side *s, const int64_t *table, int j, int own, const void *ow
     for (int t = 0; t < nt; t++) {
         rsc[t] = 1.0f;
         if (j == own) load_staged(s, own_data, own_kind, slot, t0 + t, h, H, bs, D, tile + t * D);
-        else rsc[t] = load_row(s, table[j], t0 + t, h, H, bs, D, folded, bsc, bz, tile + t * D);
+        else rsc[t] = row(s, table[j], t0 + t, h, H, bs, D, folded, bsc, bz, tile + t * D);
     }
     for (int t = nt; t < TILE; t++) {
         rsc[t] = 0.0f;
