@@ -114,9 +114,10 @@ class QuantLinear(nn.Module):
     not the weight bytes, is what costs."""
 
     # Measured crossover under the CPU lock (Sapphire Rapids, 2 threads, one step of
-    # SmolLM2-135M's 120 projections + the int8 head; scripts/bench_qgemm_step.py): kernel
-    # 13 / 19 / 30 / 60 / 115 ms at 1 / 4 / 8 / 16 / 32 rows, dequantize + bf16 GEMM ~100 ms.
-    kernel_rows = 24
+    # SmolLM2-135M's 120 projections + the int8 head; scripts/bench_qgemm_step.py, repacked
+    # layout): kernel 6 / 12 / 20 / 42 / 61-85 / 128 ms at 1 / 8 / 16 / 32 / 64 / 96 rows,
+    # dequantize + bf16 GEMM 115-130 ms from 24 to 96 rows: the kernel up to 64 rows.
+    kernel_rows = 64
     # PRECISE activations (int8 + int8 residual) in the kernel: perplexity +0.002% instead of
     # +0.6% vs float activations, but a step costs 1.2x at 1 row and 2x at 4+ rows: off.
     precise = False
