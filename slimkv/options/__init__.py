@@ -4,15 +4,18 @@ engine :func:`logits_processors`."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from slimkv.options.logprobs import Logprobs
 from slimkv.options.penalties import Penalties
 from slimkv.options.structured import Grammars, StructuredOutput
 from slimkv.sampling import LogitsProcessor
 
+if TYPE_CHECKING:
+    from slimkv.runner import ModelRunner
 
-def logits_processors(runner: Any) -> list[LogitsProcessor]:
+
+def logits_processors(runner: ModelRunner) -> list[LogitsProcessor]:
     """The processors for a runner's model, in the order they see the logits: raw logprobs
     first, then ``min_tokens``, bias and penalties, then the grammar masks."""
     tokenizer = runner.tokenizer

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import atexit
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from slimkv.kv.offload.chunk import ChunkLayout, model_digest
 from slimkv.kv.offload.config import OffloadConfig
 from slimkv.kv.offload.tier import OffloadTier
 from slimkv.model import default_model_path
 
+if TYPE_CHECKING:
+    from slimkv.runner import ModelRunner
 
-def offload_connector(runner: Any) -> OffloadTier:
+
+def offload_connector(runner: ModelRunner) -> OffloadTier:
     """The tier of ``runner.config.kv_cache.offload`` over the runner's KV pool (the engine
     attaches it to its block pool and KV manager). The tier stores what it has pending when
     the process exits (or on :meth:`OffloadTier.close`)."""
