@@ -13,7 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from slimkv.kernels.qgemm import PLAIN, PRECISE, qgemm_kernel
+from slimkv.kernels.qgemm import PLAIN, PRECISE, pack, qgemm_kernel
 from slimkv.model.quant import QuantTensor
 
 HIDDEN, FFN, LAYERS, VOCAB = 576, 1536, 30, 49152
@@ -31,20 +31,21 @@ def main(rows: list[int]) -> None:
     kernel = qgemm_kernel()
     quant = [random_weight(n, k, b) for _ in range(LAYERS) for n, k, b in SHAPES]
     quant.append(random_weight(VOCAB, HIDDEN, 8))
+    packed = [(pack(w.q, w.d, w.m, w.bits), w.shape[0], w.shape[1]) for w in quant]
     floats = [torch.randn(w.shape).bfloat16() for w in quant]
     x = {k: torch.randn(64, k) for k in (HIDDEN, FFN)}
 
     def step_kernel(m: int, mode: int = PLAIN) -> None:
-        for w in quant:
-            kernel(x[w.shape[1]][:m], w.q, w.d, w.m, w.bits, mode=mode)
+        for p, n, k in packed:
+            kernel(x[k][:m], p, n, mode=mode)
 
     def step_precise(m: int) -> None:
         step_kernel(m, PRECISE)
 
     def step_dequant(m: int) -> None:
-        for w in quant:
-            dense = kernel.dequantize(w.q, w.d, w.m, w.bits, torch.bfloat16)
-            F.linear(x[w.shape[1]][:m].bfloat16(), dense).float()
+        for p, n, k in packed:
+            dense = kernel.dequantize(p, n, torch.bfloat16)
+            F.linear(x[k][:m].bfloat16(), dense).float()
 
     def step_bf16(m: int) -> None:
         for w in floats:

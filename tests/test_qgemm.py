@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from slimkv.kernels.qgemm import (PLAIN, PRECISE, RMSNORM, SILU_MUL, qgemm_kernel,
-                                  qgemm_unavailable_reason)
+from slimkv.kernels.qgemm import (PLAIN, PRECISE, RMSNORM, SILU_MUL, pack, qgemm_kernel,
+                                  qgemm_unavailable_reason, unpack_rows)
 from slimkv.model.quant import QuantLinear, QuantTensor, cat_rows, from_gguf, quantize
 
 pytestmark = pytest.mark.skipif(qgemm_kernel() is None,
@@ -72,16 +72,16 @@ def test_precise_activations_are_within_the_residual_rounding_bound(bits: int, r
     w = quantize(torch.randn(n, k, generator=gen), bits)
     x = torch.randn(rows, k, generator=gen) * 3
     x[:, 5] = 40  # an outlier in group 0
-    kernel, wf = qgemm_kernel(), w.dequantize().double()
-    y = kernel(x, w.q, w.d, w.m, bits, mode=PLAIN | PRECISE)
+    kernel, wf, packed = qgemm_kernel(), w.dequantize().double(), pack(w.q, w.d, w.m, bits)
+    y = kernel(x, packed, n, mode=PLAIN | PRECISE)
     ref = x.double() @ wf.T
     _, da = quantize_activations(x)
     bound = (da[:, None, :] / 254 / 2 * wf.abs().view(n, -1, 32).sum(-1)[None]).sum(-1)
     assert ((y.double() - ref).abs() <= bound * 1.01 + 1e-5 * ref.abs().max()).all()
-    assert (y.double() - ref).abs().max() < (kernel(x, w.q, w.d, w.m, bits).double() - ref).abs().max()
+    assert (y.double() - ref).abs().max() < (kernel(x, packed, n).double() - ref).abs().max()
     norm, residual = Norm(k, gen), torch.randn(rows, n, generator=gen)
     normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight
-    out = kernel(x, w.q, w.d, w.m, bits, mode=RMSNORM | PRECISE, norm_weight=norm.weight,
+    out = kernel(x, packed, n, mode=RMSNORM | PRECISE, norm_weight=norm.weight,
                  eps=norm.eps, out=residual.clone())
     ref = normed.double() @ wf.T
     torch.testing.assert_close(out.double(), residual.double() + ref, rtol=1e-4,
@@ -119,9 +119,10 @@ def test_quantize_round_trip_and_c_dequantize(bits: int) -> None:
     w = quantize(x, bits)
     err = (w.dequantize() - x).abs().view(33, -1, 32)
     assert (err <= w.d.float()[..., None] / 2 * 1.01 + 1e-3).all()
-    c = qgemm_kernel().dequantize(w.q, w.d, w.m, bits, torch.float32)
+    packed = pack(w.q, w.d, w.m, bits)
+    c = qgemm_kernel().dequantize(packed, 33, torch.float32)
     assert torch.equal(c, w.dequantize())
-    c16 = qgemm_kernel().dequantize(w.q, w.d, w.m, bits, torch.bfloat16)
+    c16 = qgemm_kernel().dequantize(packed, 33, torch.bfloat16)
     assert torch.equal(c16, w.dequantize().bfloat16())
 
 
@@ -154,3 +155,16 @@ def test_gguf_blocks_are_adopted_exactly() -> None:
     raw = gguf_quantize(x, gguf.GGMLQuantizationType.Q4_0)
     ours = from_gguf(raw, "Q4_0").dequantize()
     assert torch.equal(ours, torch.from_numpy(dequantize(raw, gguf.GGMLQuantizationType.Q4_0)))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_packed_layout_is_a_permutation_that_unpacks_exactly(bits: int) -> None:
+    """pack's tiles of 16 rows (N = 50 pads to 64) give back every row's codes, d and m."""
+    w = quantize(torch.randn(50, 96, generator=_gen(bits)), bits)
+    packed = pack(w.q, w.d, w.m, bits)
+    assert packed.shape == (4, 3, 64 * bits + 64)
+    rows = torch.tensor([0, 49, 17, 16, 15, 3])
+    q, d, m = unpack_rows(packed, rows)
+    assert torch.equal(q, w.q[rows]) and torch.equal(d, w.d[rows]) and torch.equal(m, w.m[rows])
+    lin = QuantLinear(w, torch.float32)
+    assert torch.equal(lin.weight.dequantize(), w.dequantize())

@@ -17,6 +17,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
     defined(__AVX512DQ__) && defined(__AVX512VL__)
@@ -26,7 +29,13 @@
 #endif
 
 enum { IN_PLAIN = 0, IN_RMSNORM = 1, IN_SILU_MUL = 2, IN_PRECISE = 4 }; /* 4: OR'ed flag */
-enum { MT = 4 }; /* activation rows per weight pass */
+#ifndef QG_MT
+#define QG_MT 4 /* activation rows per weight pass */
+#endif
+#ifndef QG_WIDE
+#define QG_WIDE 2 /* tiles per pass where rows are blocked by 3 or more */
+#endif
+enum { MT = QG_MT };
 
 int qgemm_native(void) { return QG_NATIVE; }
 
@@ -73,154 +82,197 @@ static void quantize_row(const float *x, int K, int mode, const float *norm_w, f
     quantize_row(tmp, K, IN_PLAIN, NULL, 0.0f, tmp, qa + K, ad + K / 32, as + K / 32);
 }
 
-#if QG_NATIVE
-/* Two 4-bit groups (16 bytes each, contiguous) as 64 code bytes in element order; with
- * two = 0 (an odd last group) one group, the upper half zero. */
-static inline __m512i unpack_q4x2(const uint8_t *p, int two) {
-    __m512i raw = _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(two ? ~0u : 0xFFFFu, p));
-    __m512i dup = _mm512_shuffle_i64x2(raw, raw, _MM_SHUFFLE(1, 1, 0, 0));
-    __m512i v = _mm512_mask_blend_epi64(0xCC, dup, _mm512_srli_epi16(dup, 4));
-    return _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
-}
-#endif
-
-/* The min term and the store of one output. */
-static inline __attribute__((always_inline)) void
-finish(float t, const _Float16 *wm, const float *as, int nb, float *out, int accumulate) {
-#pragma omp simd reduction(+ : t)
-    for (int b = 0; b < nb; b++) t += (float)wm[b] * as[b];
-    *out = accumulate ? *out + t : t;
-}
+/* The repacked layout (made once at load time, slimkv.kernels.qgemm.pack): output rows in
+ * tiles of 16, N padded with zero rows to a multiple of 16. Tile t's group b is GB bytes at
+ * ((size_t)t * nb + b) * GB: its codes as CB / 64 chunks of 64 bytes, chunk c holding for
+ * each of the 16 rows 4 consecutive code bytes (row r at bytes 4r..4r+3), then d[16] and
+ * m[16] float16. 8 bits: chunk c holds elements 4c..4c+3 (CB = 512); 4 bits: a row's group
+ * bytes as they come (byte i: elements i and i + 16), so chunk c's low nibbles are elements
+ * 4c..4c+3 and its high nibbles 16 + 4c..16 + 4c + 3 (CB = 256). One vpdpbusd of a chunk
+ * against 4 activation bytes broadcast then gives 16 outputs' partial sums, no horizontal
+ * sums. */
+static inline int code_bytes(int bits) { return 16 * 32 * bits / 8; }
+static inline int group_bytes(int bits) { return code_bytes(bits) + 64; }
 
 #if QG_NATIVE
-/* Weight rows [n, n + NR) x activation rows [r0, r0 + MR): NR * MR independent float
- * accumulators (ILP), each pair of groups unpacked once for all MR rows. `adv` holds each
- * row's activation scales as 16-lane vectors, one per pair of groups (8 lanes each). */
+static inline __m512i bcast4(const int8_t *a) {
+    int32_t v;
+    memcpy(&v, a, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* Activation rows [r0, r0 + MR) x tiles [t0, t0 + NT): MR * NT accumulators of 16 outputs,
+ * each chunk of weights loaded (and its nibbles split) once for all MR rows. */
 static inline __attribute__((always_inline)) void
-block(const uint8_t *wq, const _Float16 *wd, const _Float16 *wm, const int bits, int K, int n,
-      const int NR, const int8_t *qa, const float *adv, const float *as, size_t r0,
-      const int MR, float *y, int N, int accumulate) {
-    int nb = K / 32, np = (nb + 1) / 2, row_bytes = K * bits / 8;
-    __m512 acc[NR][MR];
-    for (int j = 0; j < NR; j++)
-        for (int i = 0; i < MR; i++) acc[j][i] = _mm512_setzero_ps();
-    for (int b = 0; b < nb; b += 2) {
-        int two = b + 1 < nb;
-        __mmask64 k64 = two ? ~0ULL : 0xFFFFFFFFULL;
-        __m512i wv[NR];
-        __m512 wsc[NR];
-        for (int j = 0; j < NR; j++) {
-            const uint8_t *w = wq + (size_t)(n + j) * row_bytes;
-            const _Float16 *d = wd + (size_t)(n + j) * nb + b;
-            wv[j] = bits == 4 ? unpack_q4x2(w + b * 16, two) : _mm512_maskz_loadu_epi8(k64, w + b * 32);
-            wsc[j] = _mm512_insertf32x8(_mm512_set1_ps((float)d[0]), _mm256_set1_ps((float)d[two]), 1);
+micro(const uint8_t *w, const int bits, int nb, int t0, const int NT, const int8_t *qa,
+      const float *ad, const float *as, int K, size_t r0, const int MR, float *y, int N,
+      int accumulate) {
+    const int CB = code_bytes(bits), GB = group_bytes(bits);
+    const size_t tstride = (size_t)nb * GB;
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    __m512 facc[MR][NT];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NT; j++) facc[i][j] = _mm512_setzero_ps();
+    const uint8_t *g0 = w + (size_t)t0 * tstride;
+    for (int b = 0; b < nb; b++) {
+        __m512i iacc[MR][NT];
+        for (int i = 0; i < MR; i++)
+            for (int j = 0; j < NT; j++) iacc[i][j] = _mm512_setzero_si512();
+        const uint8_t *g = g0 + (size_t)b * GB;
+        if (bits == 4) {
+            for (int c = 0; c < 4; c++) {
+                __m512i wl[NT], wh[NT];
+                for (int j = 0; j < NT; j++) {
+                    __m512i raw = _mm512_loadu_si512(g + j * tstride + 64 * c);
+                    wl[j] = _mm512_and_si512(raw, lo4);
+                    wh[j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4);
+                }
+                for (int i = 0; i < MR; i++) {
+                    const int8_t *a = qa + (r0 + i) * K + b * 32 + 4 * c;
+                    __m512i al = bcast4(a), ah = bcast4(a + 16);
+                    for (int j = 0; j < NT; j++) {
+                        iacc[i][j] = _mm512_dpbusd_epi32(iacc[i][j], wl[j], al);
+                        iacc[i][j] = _mm512_dpbusd_epi32(iacc[i][j], wh[j], ah);
+                    }
+                }
+            }
+        } else {
+            for (int c = 0; c < 8; c++) {
+                __m512i wv[NT];
+                for (int j = 0; j < NT; j++) wv[j] = _mm512_loadu_si512(g + j * tstride + 64 * c);
+                for (int i = 0; i < MR; i++) {
+                    __m512i a = bcast4(qa + (r0 + i) * K + b * 32 + 4 * c);
+                    for (int j = 0; j < NT; j++)
+                        iacc[i][j] = _mm512_dpbusd_epi32(iacc[i][j], wv[j], a);
+                }
+            }
         }
-        for (int i = 0; i < MR; i++) {
-            __m512i a = _mm512_maskz_loadu_epi8(k64, qa + (r0 + i) * K + b * 32);
-            __m512 asc = _mm512_loadu_ps(adv + ((r0 + i) * np + b / 2) * 16);
-            for (int j = 0; j < NR; j++) {
-                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[j], a);
-                acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(wsc[j], asc),
-                                            acc[j][i]);
+        for (int j = 0; j < NT; j++) {
+            const uint8_t *s = g + j * tstride + CB;
+            __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
+            __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 32)));
+            for (int i = 0; i < MR; i++) {
+                size_t at = (r0 + i) * nb + b;
+                __m512 sc = _mm512_mul_ps(dv, _mm512_set1_ps(ad[at]));
+                facc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[i][j]), sc, facc[i][j]);
+                facc[i][j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(as[at]), facc[i][j]);
             }
         }
     }
-    /* The min terms m * as: any lanes will do, only the accumulators' sums count (a scalar
-     * loop here was 65% of the time at K = 576). */
-    for (int g = 0; g < nb; g += 16) {
-        __mmask16 k = nb - g >= 16 ? 0xFFFF : (__mmask16)((1u << (nb - g)) - 1);
-        for (int j = 0; j < NR; j++) {
-            __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, wm + (size_t)(n + j) * nb + g));
-            for (int i = 0; i < MR; i++)
-                acc[j][i] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, as + (r0 + i) * nb + g),
-                                            acc[j][i]);
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NT; j++) {
+            int n = (t0 + j) * 16;
+            __mmask16 k = N - n >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n)) - 1);
+            float *out = y + (r0 + i) * N + n;
+            __m512 v = facc[i][j];
+            if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, out));
+            _mm512_mask_storeu_ps(out, k, v);
         }
-    }
-    for (int j = 0; j < NR; j++)
-        for (int i = 0; i < MR; i++)
-            finish(_mm512_reduce_add_ps(acc[j][i]), wm, as, 0, y + (r0 + i) * N + n + j, accumulate);
 }
 
-#define BLOCKS(BITS)                                                                       \
-    for (; n + 4 <= n1; n += 4) switch (mt) {                                              \
-        case 1: block(wq, wd, wm, BITS, K, n, 4, qa, adv, as, r0, 1, y, N, acc); break;       \
-        case 2: block(wq, wd, wm, BITS, K, n, 4, qa, adv, as, r0, 2, y, N, acc); break;       \
-        case 3: block(wq, wd, wm, BITS, K, n, 4, qa, adv, as, r0, 3, y, N, acc); break;       \
-        default: block(wq, wd, wm, BITS, K, n, 4, qa, adv, as, r0, 4, y, N, acc); break;      \
-        }                                                                                  \
-    for (; n < n1; n++)                                                                    \
-        for (int i = 0; i < mt; i++)                                                       \
-            block(wq, wd, wm, BITS, K, n, 1, qa, adv, as, r0 + i, 1, y, N, acc);
+#define MICRO(NT)                                                                           \
+    switch (mr) {                                                                           \
+    case 1: micro(w, bits, nb, t, NT, qa, ad, as, K, r, 1, y, N, acc); break;               \
+    case 2: micro(w, bits, nb, t, NT, qa, ad, as, K, r, 2, y, N, acc); break;               \
+    case 3: micro(w, bits, nb, t, NT, qa, ad, as, K, r, 3, y, N, acc); break;               \
+    case 4: micro(w, bits, nb, t, NT, qa, ad, as, K, r, 4, y, N, acc); break;               \
+    case 5: micro(w, bits, nb, t, NT, qa, ad, as, K, r, 5 <= MT ? 5 : 1, y, N, acc); break; \
+    case 6: micro(w, bits, nb, t, NT, qa, ad, as, K, r, 6 <= MT ? 6 : 1, y, N, acc); break; \
+    case 7: micro(w, bits, nb, t, NT, qa, ad, as, K, r, 7 <= MT ? 7 : 1, y, N, acc); break; \
+    default: micro(w, bits, nb, t, NT, qa, ad, as, K, r, 8 <= MT ? 8 : 1, y, N, acc); break; \
+    }
+
+/* Tiles [t0, t1) for all R rows: blocks of up to 4 tiles (2 where rows are blocked by 3-4)
+ * stay in L1 across the row blocks. */
+static void tiles_native(const uint8_t *w, int bits, int K, int t0, int t1, const int8_t *qa,
+                         const float *ad, const float *as, int R, float *y, int N, int acc) {
+    int nb = K / 32, wide = R <= 2 ? 4 : QG_WIDE;
+    for (int t = t0; t < t1;) {
+        int nt = t1 - t >= wide ? wide : 1;
+        for (int r = 0; r < R; r += MT) {
+            int mr = R - r < MT ? R - r : MT;
+            if (nt == 4) {
+                MICRO(4)
+            } else if (nt == 3) {
+                MICRO(3)
+            } else if (nt == 2) {
+                MICRO(2)
+            } else {
+                MICRO(1)
+            }
+        }
+        t += nt;
+    }
+}
 #endif
 
-/* Output columns [n0, n1) for activation rows [r0, r0 + mt). */
-static void tile(const uint8_t *wq, const _Float16 *wd, const _Float16 *wm, int bits, int K,
-                 int n0, int n1, const int8_t *qa, const float *ad, const float *adv,
-                 const float *as, size_t r0, int mt, float *y, int N, int acc) {
-    int n = n0;
-#if QG_NATIVE
-    if (bits == 4) {
-        BLOCKS(4)
-    } else {
-        BLOCKS(8)
-    }
-#else
-    (void)adv;
-    int nb = K / 32, gbytes = 32 * bits / 8;
-    for (; n < n1; n++)
-        for (size_t r = r0; r < r0 + mt; r++) {
-            const uint8_t *w = wq + (size_t)n * nb * gbytes;
+/* Code k (0..31) of row r in a group's code bytes, in the layout above. */
+static inline int code_at(const uint8_t *g, int bits, int r, int k) {
+    if (bits == 8) return g[(k / 4) * 64 + r * 4 + k % 4];
+    int kk = k % 16, byte = g[(kk / 4) * 64 + r * 4 + kk % 4];
+    return k < 16 ? byte & 15 : byte >> 4;
+}
+
+static inline float scale_at(const uint8_t *g, int bits, int which, int r) {
+    _Float16 v;
+    memcpy(&v, g + code_bytes(bits) + 32 * which + 2 * r, 2);
+    return (float)v;
+}
+
+/* Tiles [t0, t1) for all R rows, one output at a time: the same values, any CPU. */
+static void tiles_portable(const uint8_t *w, int bits, int K, int t0, int t1, const int8_t *qa,
+                           const float *ad, const float *as, int R, float *y, int N, int acc) {
+    int nb = K / 32, GB = group_bytes(bits);
+    for (int n = t0 * 16; n < t1 * 16 && n < N; n++)
+        for (int r = 0; r < R; r++) {
             float t = 0.0f;
             for (int b = 0; b < nb; b++) {
-                const uint8_t *g = w + b * gbytes;
-                const int8_t *a = qa + r * K + b * 32;
+                const uint8_t *g = w + ((size_t)(n / 16) * nb + b) * GB;
+                const int8_t *a = qa + (size_t)r * K + b * 32;
                 int dot = 0;
-                for (int j = 0; j < 32; j++) {
-                    int q = bits == 8 ? g[j] : j < 16 ? g[j] & 15 : g[j - 16] >> 4;
-                    dot += q * a[j];
-                }
-                t += (float)dot * (float)wd[(size_t)n * nb + b] * ad[r * nb + b];
+                for (int k = 0; k < 32; k++) dot += code_at(g, bits, n % 16, k) * a[k];
+                t += (float)dot * (scale_at(g, bits, 0, n % 16) * ad[(size_t)r * nb + b]);
+                t += scale_at(g, bits, 1, n % 16) * as[(size_t)r * nb + b];
             }
-            finish(t, wm + (size_t)n * nb, as + r * nb, nb, y + r * N + n, acc);
+            float *out = y + (size_t)r * N + n;
+            *out = acc ? *out + t : t;
         }
-#endif
 }
 
 /* y [M, N] float32 (+)= f(x) . W^T; x [M, x_stride] float32 (x_stride = 2K for
- * IN_SILU_MUL, whose input is [gate | up]); W: wq [N, K * bits / 8], wd, wm [N, K / 32]
- * float16. K must be a multiple of 32. */
+ * IN_SILU_MUL, whose input is [gate | up]); W [N, K] in the repacked layout above. K must
+ * be a multiple of 32. */
 void qgemm(const float *x, int M, int K, int x_stride, int mode, const float *norm_w, float eps,
-           const uint8_t *wq, const _Float16 *wd, const _Float16 *wm, int bits, int N, float *y,
-           int accumulate) {
+           const uint8_t *w, int bits, int N, float *y, int accumulate) {
     int nb = K / 32, rep = mode & IN_PRECISE ? 2 : 1, R = M * rep; /* R quantized rows */
     int8_t *qa = aligned_alloc(64, ((size_t)R * K + 63) / 64 * 64);
-    float *ad = malloc(sizeof(float) * (size_t)R * (nb * 10 + 8)), *as = ad + (size_t)R * nb;
-    float *adv = as + (size_t)R * nb; /* [R, (nb + 1) / 2, 16] */
+    float *ad = malloc(sizeof(float) * (size_t)R * nb * 2), *as = ad + (size_t)R * nb;
     float *yt = rep == 1 ? y : malloc(sizeof(float) * (size_t)R * N);
-#pragma omp parallel if (M > 1)
+    int ntiles = (N + 15) / 16, add = rep == 1 && accumulate;
+#pragma omp parallel if (ntiles > 1)
     {
         float *tmp = malloc(sizeof(float) * K);
-#pragma omp for
+#pragma omp for schedule(static)
         for (int r = 0; r < M; r++)
             quantize_row(x + (size_t)r * x_stride, K, mode, norm_w, eps, tmp,
                          qa + (size_t)r * rep * K, ad + (size_t)r * rep * nb,
                          as + (size_t)r * rep * nb);
-#pragma omp for
-        for (int r = 0; r < R; r++)
-            for (int g = 0; g < (nb + 1) / 2 * 2; g++) /* 8 lanes per group, a pair a vector */
-                for (int l = 0; l < 8; l++)
-                    adv[((size_t)r * ((nb + 1) / 2) * 2 + g) * 8 + l] = g < nb ? ad[(size_t)r * nb + g] : 0;
         free(tmp);
-    }
-    /* Column chunks small enough that both threads get work and a chunk's weights stay in
-     * L2 across the row tiles. */
-    int chunk = 16, nchunks = (N + chunk - 1) / chunk, add = rep == 1 && accumulate;
-#pragma omp parallel for schedule(static)
-    for (int c = 0; c < nchunks; c++) {
-        int n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-        for (int m0 = 0; m0 < R; m0 += MT)
-            tile(wq, wd, wm, bits, K, n0, n1, qa, ad, adv, as, m0, R - m0 < MT ? R - m0 : MT, yt,
-                 N, add);
+        /* An even split of the tiles in pairs (4-tile blocks then fall on both sides). */
+#ifdef _OPENMP
+        int nth = omp_get_num_threads(), me = omp_get_thread_num();
+#else
+        int nth = 1, me = 0;
+#endif
+        int pairs = (ntiles + 1) / 2, t0 = pairs * me / nth * 2, t1 = pairs * (me + 1) / nth * 2;
+        t1 = t1 < ntiles ? t1 : ntiles;
+        if (t0 < t1) {
+#if QG_NATIVE
+            tiles_native(w, bits, K, t0, t1, qa, ad, as, R, yt, N, add);
+#else
+            tiles_portable(w, bits, K, t0, t1, qa, ad, as, R, yt, N, add);
+#endif
+        }
     }
     if (rep == 2) /* a row plus its residual row */
         for (size_t i = 0; i < (size_t)M * N; i++)
@@ -231,36 +283,44 @@ void qgemm(const float *x, int M, int K, int x_stride, int mode, const float *no
     free(ad);
 }
 
-/* W [N, K] as float32 (out_bf16 = 0) or bfloat16 (1, round to nearest even): for matmuls
- * with many activation rows, where a float GEMM beats the per-row dot products. */
-void qdequant(const uint8_t *wq, const _Float16 *wd, const _Float16 *wm, int bits, int N, int K,
-              void *out, int out_bf16) {
-    int nb = K / 32, row_bytes = K * bits / 8, gbytes = 32 * bits / 8;
+static inline void store_row(const float *v, void *out, size_t at, int out_bf16) {
+    if (!out_bf16) {
+        memcpy((float *)out + at, v, sizeof(float) * 32);
+        return;
+    }
+    uint16_t *o = (uint16_t *)out + at;
+#pragma omp simd
+    for (int j = 0; j < 32; j++) { /* round to nearest even, as torch does */
+        uint32_t u;
+        memcpy(&u, &v[j], 4);
+        o[j] = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+    }
+}
+
+/* W [N, K] (repacked layout) as float32 (out_bf16 = 0) or bfloat16 (1, round to nearest
+ * even): for matmuls with many activation rows, where a float GEMM beats the dot products.
+ * A tile's group at a time: its 16 rows' code bytes gathered back into the original order. */
+void qdequant(const uint8_t *w, int bits, int N, int K, void *out, int out_bf16) {
+    int nb = K / 32, GB = group_bytes(bits), chunks = code_bytes(bits) / 64;
 #pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
+    for (int t = 0; t < (N + 15) / 16; t++)
         for (int b = 0; b < nb; b++) {
-            const uint8_t *g = wq + (size_t)n * row_bytes + b * gbytes;
-            float d = (float)wd[(size_t)n * nb + b], m = (float)wm[(size_t)n * nb + b];
-            float v[32];
+            const uint8_t *g = w + ((size_t)t * nb + b) * GB;
+            uint32_t rows[16][8]; /* each row's group bytes in the original order */
+            for (int c = 0; c < chunks; c++)
+                for (int r = 0; r < 16; r++) memcpy(&rows[r][c], g + c * 64 + 4 * r, 4);
+            for (int r = 0; r < 16 && t * 16 + r < N; r++) {
+                const uint8_t *raw = (const uint8_t *)rows[r];
+                float d = scale_at(g, bits, 0, r), m = scale_at(g, bits, 1, r), v[32];
 #pragma omp simd
-            for (int j = 0; j < 32; j++) {
-                int q = bits == 8 ? g[j] : j < 16 ? g[j] & 15 : g[j - 16] >> 4;
-                v[j] = d * (float)q + m;
-            }
-            size_t at = (size_t)n * K + b * 32;
-            if (!out_bf16) {
-                memcpy((float *)out + at, v, sizeof v);
-                continue;
-            }
-            uint16_t *o = (uint16_t *)out + at;
-#pragma omp simd
-            for (int j = 0; j < 32; j++) {
-                uint32_t u;
-                memcpy(&u, &v[j], 4);
-                o[j] = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+                for (int j = 0; j < 32; j++) {
+                    int q = bits == 8 ? raw[j] : j < 16 ? raw[j] & 15 : raw[j - 16] >> 4;
+                    float dq = d * (float)q; /* two roundings, as the reference has */
+                    v[j] = dq + m;
+                }
+                store_row(v, out, (size_t)(t * 16 + r) * K + b * 32, out_bf16);
             }
         }
-    }
 }
 
 /* RoPE (rotate-half layout) in place on the first `heads` heads of each row of x

@@ -12,6 +12,7 @@ import ctypes
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from slimkv.kernels import build
@@ -21,50 +22,81 @@ PLAIN, RMSNORM, SILU_MUL = 0, 1, 2  # what the kernel does to x on the way in
 PRECISE = 4  # OR'ed into a mode: the int8 rounding residual is a second int8 row (~15 bits)
 
 
+TILE = 16  # output rows per tile of the repacked layout
+
+
+def pack(q: Tensor, d: Tensor, m: Tensor, bits: int) -> Tensor:
+    """The kernel's layout of ``W [N, K]`` (codes ``q [N, K * bits / 8]`` uint8 in groups of
+    32, ggml's nibble order; ``d, m [N, K / 32]`` float16): uint8 ``[tiles, K / 32, bytes]``,
+    each tile's group the codes of 16 rows interleaved 4 bytes at a time, then d[16], m[16]
+    (see qgemm.c). N is padded with zero rows to a multiple of 16. A permutation of the
+    bytes: :func:`unpack_rows` inverts it."""
+    n, groups = d.shape
+    pad, tiles = -n % TILE, -(-n // TILE)
+    q, d, m = (F.pad(t, (0, 0, 0, pad)) for t in (q, d, m))
+    codes = q.view(tiles, TILE, groups, bits, 4).permute(0, 2, 3, 1, 4).reshape(tiles, groups, -1)
+    scales = torch.stack((d, m)).view(2, tiles, TILE, groups).permute(1, 3, 0, 2).reshape(
+        tiles, groups, 2 * TILE)
+    return torch.cat((codes, scales.contiguous().view(torch.uint8)), -1).contiguous()
+
+
+def packed_bits(packed: Tensor) -> int:
+    return (packed.shape[-1] - 4 * TILE) // (4 * TILE)
+
+
+def unpack_rows(packed: Tensor, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``q, d, m`` of the selected rows (int64 indices) in the original layout."""
+    rows = rows.reshape(-1)
+    tiles, groups, width = packed.shape
+    bits, sel = packed_bits(packed), packed[rows // TILE]
+    lane, at = rows % TILE, torch.arange(len(rows))
+    q = sel[..., :width - 4 * TILE].reshape(len(rows), groups, bits, TILE, 4)[at, :, :, lane]
+    dm = sel[..., width - 4 * TILE:].contiguous().view(torch.float16)
+    dm = dm.view(len(rows), groups, 2, TILE)[at, :, :, lane]
+    return q.reshape(len(rows), -1), dm[..., 0], dm[..., 1]
+
+
 class QGemm:
-    """``y (+)= f(x) . W^T`` for a group-32 quantized ``W``; see :meth:`__call__`."""
+    """``y (+)= f(x) . W^T`` for a group-32 quantized ``W`` in :func:`pack`'s layout; see
+    :meth:`__call__`."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.qgemm
         i32, ptr = ctypes.c_int, ctypes.c_void_p
-        self._fn.argtypes = [ptr, i32, i32, i32, i32, ptr, ctypes.c_float, ptr, ptr, ptr, i32,
-                             i32, ptr, i32]
+        self._fn.argtypes = [ptr, i32, i32, i32, i32, ptr, ctypes.c_float, ptr, i32, i32, ptr,
+                             i32]
         self._fn.restype = None
         self.native = bool(lib.qgemm_native())
         self._dequant = lib.qdequant
-        self._dequant.argtypes = [ptr, ptr, ptr, i32, i32, i32, ptr, i32]
+        self._dequant.argtypes = [ptr, i32, i32, i32, ptr, i32]
         self._dequant.restype = None
         self._rope = lib.rope_inplace
         self._rope.argtypes = [ptr, i32, i32, i32, i32, ptr, ptr]
         self._rope.restype = None
 
-    def __call__(self, x: Tensor, q: Tensor, d: Tensor, m: Tensor, bits: int, *,
-                 mode: int = PLAIN, norm_weight: Tensor | None = None, eps: float = 0.0,
+    def __call__(self, x: Tensor, packed: Tensor, n: int, *, mode: int = PLAIN,
+                 norm_weight: Tensor | None = None, eps: float = 0.0,
                  out: Tensor | None = None) -> Tensor:
         """``x [M, K]`` float32 (``[M, 2K]`` = [gate | up] for SILU_MUL; normalised with
-        ``norm_weight`` float32 for RMSNORM); ``q [N, K * bits / 8]`` uint8, ``d, m [N, K / 32]``
-        float16. Returns ``[M, N]`` float32, or adds into ``out`` and returns it."""
-        x = x.contiguous()
+        ``norm_weight`` float32 for RMSNORM); ``packed``: :func:`pack` of a ``[n, K]``
+        weight. Returns ``[M, n]`` float32, or adds into ``out`` and returns it."""
+        if not x.is_contiguous():
+            x = x.contiguous()
         rows, width = x.shape
-        k = width // 2 if mode & 3 == SILU_MUL else width
-        n = q.shape[0]
         y = torch.empty(rows, n, dtype=torch.float32) if out is None else out
-        norm = norm_weight.data_ptr() if norm_weight is not None else None
-        self._fn(x.data_ptr(), rows, k, width, mode, norm, eps, q.data_ptr(), d.data_ptr(),
-                 m.data_ptr(), bits, n, y.data_ptr(), int(out is not None))
+        self._fn(x.data_ptr(), rows, width // 2 if mode & 3 == SILU_MUL else width, width, mode,
+                 None if norm_weight is None else norm_weight.data_ptr(), eps,
+                 packed.data_ptr(), packed_bits(packed), n, y.data_ptr(), out is not None)
         return y
 
-
-    def dequantize(self, q: Tensor, d: Tensor, m: Tensor, bits: int,
-                   dtype: torch.dtype) -> Tensor:
-        """``W [N, K]`` in float32 or bfloat16 (other dtypes via float32)."""
-        n, k = q.shape[0], d.shape[1] * 32
+    def dequantize(self, packed: Tensor, n: int, dtype: torch.dtype) -> Tensor:
+        """``W [n, K]`` of a :func:`pack`'ed weight in float32 or bfloat16 (other dtypes via
+        float32)."""
+        k = packed.shape[1] * 32
         bf16 = dtype == torch.bfloat16
         w = torch.empty(n, k, dtype=torch.bfloat16 if bf16 else torch.float32)
-        self._dequant(q.data_ptr(), d.data_ptr(), m.data_ptr(), bits, n, k, w.data_ptr(),
-                      int(bf16))
+        self._dequant(packed.data_ptr(), packed_bits(packed), n, k, w.data_ptr(), int(bf16))
         return w.to(dtype)
-
 
     def rope(self, x: Tensor, heads: int, head_dim: int, cos: Tensor, sin: Tensor) -> None:
         """RoPE in place on the first ``heads`` heads of each row of ``x [T, width]``

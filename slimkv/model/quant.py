@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from slimkv.kernels.qgemm import PLAIN, PRECISE, RMSNORM, SILU_MUL, QGemm, qgemm_kernel
+from slimkv.kernels.qgemm import (PLAIN, PRECISE, RMSNORM, SILU_MUL, QGemm, pack, qgemm_kernel,
+                                  unpack_rows)
 
 GROUP = 32
 GGUF_CLASSES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # GGUF tensor types adopted as they are
@@ -113,9 +114,10 @@ class QuantLinear(nn.Module):
     not the weight bytes, is what costs."""
 
     # Measured crossover under the CPU lock (Sapphire Rapids, 2 threads, one step of
-    # SmolLM2-135M's 120 projections + the int8 head; scripts/bench_qgemm_step.py): kernel
-    # 13 / 19 / 30 / 60 / 115 ms at 1 / 4 / 8 / 16 / 32 rows, dequantize + bf16 GEMM ~100 ms.
-    kernel_rows = 24
+    # SmolLM2-135M's 120 projections + the int8 head; scripts/bench_qgemm_step.py, repacked
+    # layout): kernel 6 / 12 / 20 / 42 / 61-85 / 128 ms at 1 / 8 / 16 / 32 / 64 / 96 rows,
+    # dequantize + bf16 GEMM 115-130 ms from 24 to 96 rows: the kernel up to 64 rows.
+    kernel_rows = 64
     # PRECISE activations (int8 + int8 residual) in the kernel: perplexity +0.002% instead of
     # +0.6% vs float activations, but a step costs 1.2x at 1 row and 2x at 4+ rows: off.
     precise = False
@@ -125,27 +127,30 @@ class QuantLinear(nn.Module):
         self.bits = weight.bits
         self.dtype = dtype
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("q", weight.q)
-        self.register_buffer("d", weight.d)
-        self.register_buffer("m", weight.m)
+        # The kernel's layout (output rows interleaved in tiles of 16), made once here.
+        self.register_buffer("packed", pack(weight.q, weight.d, weight.m, weight.bits))
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.kernel = _kernel()
 
     @property
     def weight(self) -> QuantTensor:
-        return QuantTensor(self.q, self.d, self.m, self.bits)
+        return self.weight_rows(torch.arange(self.out_features))
+
+    def weight_rows(self, rows: Tensor) -> QuantTensor:
+        """The selected rows (int64 indices) in :class:`QuantTensor`'s layout."""
+        return QuantTensor(*unpack_rows(self.packed, rows), self.bits)
 
     def fused(self, x: Tensor, mode: int = PLAIN, norm: nn.Module | None = None,
               out: Tensor | None = None) -> Tensor:
         """float32 ``f(x) . W^T (+ bias)``, added into ``out`` when given (see QGemm)."""
         if x.shape[0] > self.kernel_rows:
             y = F.linear(_prepare(x, mode, norm).to(self.dtype), self.kernel.dequantize(
-                self.q, self.d, self.m, self.bits, self.dtype)).float()
+                self.packed, self.out_features, self.dtype)).float()
             y = y if out is None else out.add_(y)
         else:
             weight = None if norm is None else norm.weight.float()
             mode |= PRECISE if self.precise else 0
-            y = self.kernel(x.float(), self.q, self.d, self.m, self.bits, mode=mode,
+            y = self.kernel(x.float(), self.packed, self.out_features, mode=mode,
                             norm_weight=weight, eps=0.0 if norm is None else norm.eps, out=out)
         if self.bias is not None:
             y += self.bias
@@ -176,4 +181,4 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         """float32 rows (the residual stream of a quantized model is float32)."""
-        return self.table.weight.dequantize(ids)
+        return self.table.weight_rows(ids).dequantize()
