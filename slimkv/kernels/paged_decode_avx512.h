@@ -174,7 +174,7 @@ load_tile(const kv_side *s, const int64_t *table, int j, int own, const void *ow
     size_t row_bytes = (size_t)s->width * elem_size(s->kind);
     const char *base = (const char *)s->data + tok0 * row_bytes;
     int token_scale = s->scale_mode == SCALE_TOKEN;
-    for (int t = 0; t < TILE; t++) rsc[t] = t < nt ? 1.0f : 0.0f;
+    _mm512_store_ps(rsc, _mm512_maskz_mov_ps((__mmask16)((1u << nt) - 1), _mm512_set1_ps(1.0f)));
     if (j == own || (s->scale_mode == SCALE_BLOCK && !folded) || (u4 && (D % 32 || gs % 16))) {
         for (int t = 0; t < nt; t++) {
             if (j == own) load_staged(s, own_data, own_kind, slot, t0 + t, h, H, bs, D, tile + t * D);
