@@ -275,9 +275,12 @@ void qgemm(const float *x, int M, int K, int x_stride, int mode, const float *no
         }
     }
     if (rep == 2) /* a row plus its residual row */
-        for (size_t i = 0; i < (size_t)M * N; i++)
-            y[i] = (accumulate ? y[i] : 0.0f) + yt[i / N * 2 * N + i % N] +
-                   yt[(i / N * 2 + 1) * N + i % N];
+        for (int r = 0; r < M; r++) {
+            float *o = y + (size_t)r * N;
+            const float *a = yt + (size_t)r * 2 * N, *b = a + N;
+#pragma omp simd
+            for (int n = 0; n < N; n++) o[n] = (accumulate ? o[n] : 0.0f) + a[n] + b[n];
+        }
     if (yt != y) free(yt);
     free(qa);
     free(ad);
