@@ -20,6 +20,7 @@ from slimkv.kernels import build
 SOURCE = Path(__file__).with_name("qgemm.c")
 PLAIN, RMSNORM, SILU_MUL = 0, 1, 2  # what the kernel does to x on the way in
 PRECISE = 4  # OR'ed into a mode: the int8 rounding residual is a second int8 row (~15 bits)
+FLOAT = 8  # OR'ed into a mode: float activations (exact weight-only quantization), no int8
 
 
 TILE = 16  # output rows per tile of the repacked layout
