@@ -1,5 +1,5 @@
 """Per-token cost of JSON-schema token masks on this CPU: llguidance (what slimkv uses,
-through slimkv.structured.Grammars) and, when importable, xgrammar (for the choice).
+through slimkv.options.structured.Grammars) and, when importable, xgrammar (for the choice).
 
 Each of B rows follows the grammar with random allowed tokens (argmax of masked noise);
 a step fills the masks of all rows, applies them to [B, vocab] float32 logits and
@@ -19,7 +19,7 @@ import torch
 
 from slimkv.bench.engine import machine_info
 from slimkv.model.loader import load_tokenizer
-from slimkv.structured import Grammars, canonical_schema
+from slimkv.options.structured import Grammars, canonical_schema
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 16},

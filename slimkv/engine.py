@@ -10,21 +10,20 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter
-from typing import Hashable
+from typing import Callable, Hashable
 
 import torch
 
-from slimkv.config import Config
+from slimkv.config import Config, ConfigError
 from slimkv.engine_stats import BlockInfo, EngineStats, LaneCounts
 from slimkv.kv.block_pool import BlockPool
+from slimkv.kv.connector import KVConnector
 from slimkv.kv.contiguous import ContiguousKVManager
 from slimkv.kv.manager import KVCacheManager
 from slimkv.choices import Choices
-from slimkv.logprobs import SampledToken, token_logprobs
-from slimkv.kv.offload import attach_offload
-from slimkv.outputs import Detokenizer, RequestOutput
+from slimkv.outputs import Detokenizer, RequestOutput, token_logprobs
 from slimkv.runner import ModelRunner
-from slimkv.sampling import SamplingParams
+from slimkv.sampling import LogitsProcessor, SampledToken, SamplingParams
 from slimkv.scheduler import Scheduler
 from slimkv.sequence import Sequence, SequenceStatus
 
@@ -34,9 +33,15 @@ class RequestError(ValueError):
 
 
 class LLMEngine:
-    def __init__(self, config: Config) -> None:
+    """Plug-ins, from whoever builds the engine (:func:`slimkv.plugins.build_engine`):
+    ``processors`` makes the sampler's logits processors (a request asking for an option none
+    serves is refused), ``connector`` the KV store below the pool for ``kv_cache.offload``."""
+
+    def __init__(self, config: Config,
+                 processors: Callable[[ModelRunner], list[LogitsProcessor]] | None = None,
+                 connector: Callable[[ModelRunner], KVConnector] | None = None) -> None:
         self.config = config
-        self.runner = ModelRunner(config)
+        self.runner = ModelRunner(config, processors)
         self.model_args, self.tokenizer = self.runner.model_args, self.runner.tokenizer
         self.model_name = config.model.name or self.tokenizer.name
         self.max_model_len = self.runner.max_model_len
@@ -47,7 +52,7 @@ class LLMEngine:
                     num_staging_slots=self.runner.num_staging_slots)
         self.manager = (KVCacheManager(self.pool, kv.block_size, **opts) if kv.paged else
                         ContiguousKVManager(self.pool, kv.block_size, self.max_model_len, **opts))
-        self.tier = attach_offload(self) if kv.offload is not None else None
+        self.connector = self._connect(connector) if kv.offload is not None else None
         self.scheduler = Scheduler(kv, config.scheduler, self.manager)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Sequence] = {}  # every live sequence, by its own id
@@ -63,6 +68,15 @@ class LLMEngine:
                            evict_policy=kv.evict_policy,
                            max_concurrency_soft=kv.max_concurrency_soft)
 
+    def _connect(self, make: Callable[[ModelRunner], KVConnector] | None) -> KVConnector:
+        if make is None:
+            raise ConfigError("kv_cache.offload: this engine was built without a KV connector "
+                              "(slimkv.plugins.build_engine adds the offload tier)")
+        connector = make(self.runner)
+        connector.attach(self.pool)
+        self.manager.connector = connector
+        return connector
+
     # -- requests ----------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
@@ -77,8 +91,7 @@ class LLMEngine:
         group = [Sequence(request_id, ids, params, session_id=session_id if i == 0 else None,
                           index=i) for i in range(params.n)]
         for seq in group:
-            seq.matcher = (self.runner.grammars.matcher(params.json_schema)
-                           if params.json_schema is not None else None)
+            self.runner.sampler.add(seq)
             seq.arrival_step = self.num_steps
             self.requests[seq.request_id] = seq
         self.choices.add(group)
@@ -88,6 +101,9 @@ class LLMEngine:
     def check_request(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise RequestError("the prompt is empty")
+        if unserved := params.options - self.runner.sampler.options:
+            raise RequestError(f"this engine has no logits processor for {sorted(unserved)} "
+                               "(slimkv.plugins.build_engine adds them)")
         if any(not 0 <= t < self.model_args.vocab_size for t in ids):
             raise RequestError(f"prompt token ids must be in [0, {self.model_args.vocab_size})")
         total = len(ids) + params.max_tokens
@@ -138,7 +154,7 @@ class LLMEngine:
             preemptions=sched.num_preemptions, evictions=pool.num_evictions,
             false_ooms=getattr(manager, "num_false_oom", 0),
             attention_paths=dict(self.runner.attention.path_counts),
-            finished=dict(self.finished_reasons), offload=self.tier.stats() if self.tier else {})
+            finished=dict(self.finished_reasons), offload=self.connector.stats() if self.connector else {})
 
     def block_map(self) -> list[BlockInfo]:
         """Every block of the pool, in id order, with its state and holders."""

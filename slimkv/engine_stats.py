@@ -68,21 +68,6 @@ class EngineStats:
                 **{f"finished:{r}": n for r, n in self.finished.items()}}
 
 
-class CounterDeltas:
-    """Increments of :meth:`EngineStats.counters` since the previous call (the first call
-    counts from zero); names that did not move are left out."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, int] = {}
-
-    def __call__(self, stats: EngineStats) -> dict[str, int]:
-        totals = stats.counters()
-        deltas = {name: n - self._last.get(name, 0) for name, n in totals.items()
-                  if n != self._last.get(name, 0)}
-        self._last = totals
-        return deltas
-
-
 @dataclass(frozen=True, slots=True)
 class BlockInfo:
     """One block of the pool as the dashboard shows it. ``state``: ``in_use`` (held by a

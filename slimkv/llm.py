@@ -8,8 +8,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from slimkv.config import Config
-from slimkv.engine import LLMEngine
 from slimkv.outputs import RequestOutput
+from slimkv.plugins import build_engine
 from slimkv.sampling import SamplingParams
 
 Prompt = str | list[int]
@@ -29,7 +29,7 @@ class LLM:
     def __init__(self, config: Config | str | Path | None = None) -> None:
         if not isinstance(config, Config):
             config = Config.load(config)
-        self.engine = LLMEngine(config)
+        self.engine = build_engine(config)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Prompt | list[Prompt],

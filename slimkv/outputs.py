@@ -4,9 +4,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from slimkv.logprobs import TokenLogprob
 from slimkv.model.tokenizer import Tokenizer
+from slimkv.sampling import SampledToken
 from slimkv.sequence import Sequence
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """A generated token's text, log-probability and the top alternatives, best first."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+def token_logprobs(tokenizer: Tokenizer, sampled: SampledToken) -> list[TokenLogprob] | None:
+    """The sampled token's logprobs with token texts, as a ``RequestOutput`` carries them."""
+    if sampled.logprob is None:
+        return None
+    texts = tokenizer.token_texts([sampled.token_id, *(t for t, _ in sampled.top)])
+    return [TokenLogprob(texts[0], sampled.logprob,
+                         [(text, lp) for text, (_, lp) in zip(texts[1:], sampled.top)])]
 
 
 @dataclass(slots=True)

@@ -48,11 +48,11 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from slimkv.engine import LLMEngine
+    from slimkv.plugins import build_engine
 
     if args.sessions <= 0 or args.context <= 0:
         raise ValueError("--sessions and --context must be positive")
-    engine = LLMEngine(config_from_args(args))
+    engine = build_engine(config_from_args(args))
     measured = run_workload(engine, args.sessions, args.context)
     share, advice = recommend(engine, measured, args.sessions, args.context)
     report = {"model": engine.model_name, "device": str(engine.runner.device),

@@ -9,6 +9,8 @@ Block bookkeeping (which blocks a sequence holds) stays with the engine's KV man
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from slimkv.attention import AttentionMetadata, PagedAttention
@@ -18,10 +20,8 @@ from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
 from slimkv.memory import activation_peak, weight_bytes
 from slimkv.model import load_model
-from slimkv.logprobs import SampledToken
-from slimkv.sampling import Sampler
+from slimkv.sampling import LogitsProcessor, SampledToken, Sampler
 from slimkv.sequence import Sequence
-from slimkv.structured import Grammars
 
 GiB = 1 << 30
 _CPU_BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
@@ -83,7 +83,8 @@ def _cpu_flags() -> set[str]:
 class ModelRunner:
     """Model, KV pool and attention for one engine; see the module doc."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, processors: Callable[[ModelRunner], list[LogitsProcessor]]
+                 | None = None) -> None:
         self.config = config
         self.device = resolve_device(config.model.device)
         weights, dtype = config.model.weights, config.model.dtype
@@ -124,9 +125,7 @@ class ModelRunner:
             num_tokens=config.scheduler.max_num_batched_tokens,
             num_logit_rows=kv.max_concurrency_soft, max_len=self.max_model_len,
             layer_dtypes=kv.layer_dtypes)
-        self.grammars = Grammars(self.tokenizer.hf, list(self.tokenizer.eos_token_ids),
-                                 args.vocab_size)
-        self.sampler = Sampler(self.tokenizer.eos_token_ids, self.grammars)
+        self.sampler = Sampler(processors(self) if processors else [])
 
     def _num_blocks(self, shape: dict) -> int:
         """``kv_cache.num_blocks``, or what ``memory_gb`` holds once staging is set aside."""

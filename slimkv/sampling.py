@@ -1,44 +1,74 @@
 """The batched sampler (per-request parameters: :mod:`slimkv.sampling_params`).
 
-Per step: raw logprobs (:mod:`slimkv.logprobs`), the batched logit processors
-(:mod:`slimkv.logits_process`), grammar masks (:mod:`slimkv.structured`), then the draw.
+Per step: the logits processors that some row wants edit the logits (in their list's
+order), then the draw, then they see the drawn tokens. The processors are plug-ins (vLLM
+v1's logits processors): the OpenAI options (logprobs, penalties, ``logit_bias``,
+``min_tokens``, structured output) live in :mod:`slimkv.options`, which the core never
+imports; the engine's builder hands them in (:func:`slimkv.plugins.build_engine`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from slimkv.logits_process import process_logits_
-from slimkv.logprobs import SampledToken, with_logprobs
 from slimkv.sampling_params import SamplingParams
 from slimkv.sequence import Sequence
-from slimkv.structured import Grammars
 
-__all__ = ["Sampler", "SamplingParams", "SampledToken"]
+__all__ = ["LogitsProcessor", "Sampler", "SamplingParams", "SampledToken"]
+
+
+@dataclass(slots=True)
+class SampledToken:
+    """A sampled token; with logprobs when its request asked: its own and the top ones."""
+
+    token_id: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
+
+
+class LogitsProcessor:
+    """Serves the request options it names (:attr:`SamplingParams.options`)."""
+
+    options: frozenset[str] = frozenset()
+
+    def wants(self, seq: Sequence) -> bool:
+        return bool(seq.params.options & self.options)
+
+    def add(self, seq: Sequence) -> None:
+        """A new request's sequence (``ValueError``: the request cannot be served)."""
+
+    def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Edit the float logits (one row per sequence) in place."""
+
+    def accept(self, seqs: list[Sequence], sampled: list[SampledToken]) -> None:
+        """The tokens drawn for ``seqs``."""
 
 
 class Sampler:
     """Samples one token per row; rows may carry different parameters."""
 
-    def __init__(self, eos_token_ids: frozenset[int] = frozenset(),
-                 grammars: Grammars | None = None) -> None:
-        self.eos_token_ids = eos_token_ids
-        self.grammars = grammars
+    def __init__(self, processors: list[LogitsProcessor] = ()) -> None:
+        self.processors = list(processors)
+        self.options = frozenset().union(*(p.options for p in self.processors))
+
+    def add(self, seq: Sequence) -> None:
+        for processor in self.processors:
+            processor.add(seq)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
-        if all(s.params.greedy and s.params.plain and s.params.logprobs is None for s in seqs):
+        active = [p for p in self.processors if any(map(p.wants, seqs))]
+        if not active and all(s.params.greedy for s in seqs):
             return [SampledToken(t) for t in logits.argmax(dim=-1).tolist()]  # nothing to do
         logits = logits.float().clone()  # processed in place below
-        asks = [s.params.logprobs for s in seqs]
-        raw = logits.log_softmax(-1) if any(k is not None for k in asks) else None
-        process_logits_(logits, seqs, self.eos_token_ids)
-        constrained = [(row, s.matcher) for row, s in enumerate(seqs) if s.matcher is not None]
-        if constrained:
-            self.grammars.mask_(logits, *map(list, zip(*constrained)))
+        for processor in active:
+            processor.apply(logits, seqs)
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        if constrained:
-            Grammars.advance([m for _, m in constrained], [tokens[row] for row, _ in constrained])
-        return with_logprobs(tokens, raw, asks)
+        sampled = [SampledToken(t) for t in tokens]
+        for processor in active:
+            processor.accept(seqs, sampled)
+        return sampled
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],

@@ -76,11 +76,19 @@ class SamplingParams:
                     or self.repetition_penalty != 1.0)
 
     @property
+    def options(self) -> frozenset[str]:
+        """The OpenAI options asked for, by the names of the logits processors that serve
+        them (:class:`~slimkv.sampling.LogitsProcessor`)."""
+        asked = {"logprobs": self.logprobs is not None, "min_tokens": self.min_tokens,
+                 "logit_bias": self.logit_bias, "penalties": self.has_penalties,
+                 "json_schema": self.json_schema is not None}
+        return frozenset(name for name, on in asked.items() if on)
+
+    @property
     def plain(self) -> bool:
         """No option that changes the logits before sampling (penalties, bias, min_tokens,
         a grammar): the served choice is the model's own."""
-        return not (self.has_penalties or self.logit_bias or self.min_tokens
-                    or self.json_schema is not None)
+        return self.options <= {"logprobs"}
 
 
 def _number(value: object) -> bool:

@@ -19,6 +19,7 @@ from slimkv.attention import AttentionMetadata, PagedAttention, reference_paged_
 from slimkv.config import Config
 from slimkv.engine import LLMEngine
 from slimkv.kv.quant import make_codec
+from slimkv.plugins import build_engine
 from slimkv.stats import cdiv
 
 ALL_KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2", "int4")
@@ -55,7 +56,7 @@ def verify_dtype(config: Config, kv_dtype: str, prompt_len: int = 40, new_tokens
     blocks_per_prompt = cdiv(prompt_len + new_tokens, config.kv_cache.block_size)
     config = config.replace("kv_cache", dtype=kv_dtype, k_dtype=None, v_dtype=None,
                             layer_dtypes=None, strict=False, num_blocks=2 * blocks_per_prompt + 2)
-    engine = LLMEngine(config)
+    engine = build_engine(config)
     checked = CheckedAttention(engine.runner.attention)
     engine.runner.attention = checked
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)

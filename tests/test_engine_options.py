@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from slimkv.config import Config
+from slimkv.engine import RequestError
 from slimkv.llm import LLM
+from slimkv.options.structured import StructuredOutput, canonical_schema
 from slimkv.outputs import RequestOutput
-from slimkv.sampling import SamplingParams
-from slimkv.structured import canonical_schema
+from slimkv.sampling import Sampler, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -25,6 +26,12 @@ pytestmark = pytest.mark.slow
 def llm() -> LLM:
     return LLM(Config().replace("kv_cache", dtype="float32", num_blocks=512)
                .replace("model", dtype="float32"))
+
+
+def grammars(llm: LLM):
+    """The structured-output processor's grammars (slimkv.options)."""
+    return next(p.grammars for p in llm.engine.runner.sampler.processors
+                if isinstance(p, StructuredOutput))
 
 
 def run(llm: LLM, prompt: str | list[int], params: SamplingParams) -> list[RequestOutput]:
@@ -132,9 +139,9 @@ def test_fifty_structured_generations_validate(llm, name):
         [{"role": "user", "content": f"Reply with a short JSON object: {ASK[name]}."}])
     params = [SamplingParams(max_tokens=64, temperature=1.0, seed=s,
                              json_schema=canonical_schema(schema)) for s in range(50)]
-    compiled = llm.engine.runner.grammars.num_compiled
+    compiled = grammars(llm).num_compiled
     results = llm.generate([prompt] * 50, params)
-    assert llm.engine.runner.grammars.num_compiled - compiled <= 1  # compiled once, cached
+    assert grammars(llm).num_compiled - compiled <= 1  # compiled once, cached
     for r in results:
         assert r.finish_reason == "stop", r.text
         jsonschema.validate(json.loads(r.text), schema)
@@ -144,3 +151,14 @@ def test_an_invalid_schema_is_refused_before_queueing(llm):
     with pytest.raises(ValueError, match="invalid JSON schema"):
         llm.engine.add_request("Hi", SamplingParams(json_schema='{"type": "nonsense"}'))
     assert not llm.engine.requests
+
+
+def test_an_engine_without_processors_refuses_the_options(llm, monkeypatch):
+    """The core serves an option only through a logits processor it was given (built by
+    slimkv.plugins.build_engine); without one the request is refused, not served plain."""
+    monkeypatch.setattr(llm.engine.runner, "sampler", Sampler())
+    for option in ({"logprobs": 0}, {"min_tokens": 2}, {"logit_bias": {5: 1.0}},
+                   {"presence_penalty": 0.5}, {"json_schema": canonical_schema({})}):
+        with pytest.raises(RequestError, match="no logits processor"):
+            llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, **option))
+    assert not llm.engine.has_unfinished()

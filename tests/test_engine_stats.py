@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from conftest import engine_stats as _stats
 
-from slimkv.engine_stats import CounterDeltas
 from slimkv.kv.block_pool import BlockPool, hash_block
+from slimkv.server.metrics import CounterDeltas
 
 
 def test_counter_deltas_are_increments_since_the_last_call() -> None:

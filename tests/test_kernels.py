@@ -21,21 +21,23 @@ FORMATS = [("float32", "float32", "per_token"), ("bfloat16", "bfloat16", "per_to
 
 
 def _decode_step(k_dtype: str, v_dtype: str, k_scale: str, head_dim: int, lens: list[int],
-                 model_dtype: torch.dtype, layer: int = 0, layer_dtypes: dict | None = None
+                 model_dtype: torch.dtype, layer: int = 0, layer_dtypes: dict | None = None,
+                 heads: tuple[int, int] = (NUM_HEADS, NUM_KV_HEADS)
                  ) -> tuple[PagedKVCache, Staging | None, tuple, AttentionMetadata]:
     """A cache (and its staging, for per-block scales) holding ``lens[i] - 1`` tokens of each
     sequence in ``layer`` (block tables shuffled and padded), and the step that decodes one
-    more token for each."""
+    more token for each. ``heads``: (query heads, KV heads)."""
+    num_heads, num_kv_heads = heads
     gen = torch.Generator().manual_seed(head_dim + len(lens))
     num_blocks = sum(-(-n // BLOCK_SIZE) for n in lens) + 1
     cache = PagedKVCache(num_layers=layer + 1, num_blocks=num_blocks, block_size=BLOCK_SIZE,
-                         num_kv_heads=NUM_KV_HEADS, head_dim=head_dim, k_dtype=k_dtype,
+                         num_kv_heads=num_kv_heads, head_dim=head_dim, k_dtype=k_dtype,
                          v_dtype=v_dtype, device=torch.device("cpu"), k_scale=k_scale,
                          layer_dtypes=layer_dtypes)
     staging = Staging(cache, len(lens), model_dtype) if cache.block_scaled else None
     order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     tables = []
-    prefill = PagedAttention(cache, NUM_HEADS, head_dim ** -0.5, model_dtype, staging=staging)
+    prefill = PagedAttention(cache, num_heads, head_dim ** -0.5, model_dtype, staging=staging)
     for i, n in enumerate(lens):
         num = -(-n // BLOCK_SIZE)
         blocks, order = order[:num], order[num:]
@@ -44,11 +46,11 @@ def _decode_step(k_dtype: str, v_dtype: str, k_scale: str, head_dim: int, lens: 
             continue
         meta = _meta([n - 1], [n - 1], [blocks], [i])
         q, k, v = (torch.randn(n - 1, h, head_dim, generator=gen, dtype=model_dtype) * 2
-                   for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
+                   for h in (num_heads, num_kv_heads, num_kv_heads))
         prefill(layer, q, k, v, meta)
     meta = _meta([1] * len(lens), lens, tables, list(range(len(lens))))
     step = tuple(torch.randn(len(lens), h, head_dim, generator=gen, dtype=model_dtype) * 2
-                 for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
+                 for h in (num_heads, num_kv_heads, num_kv_heads))
     return cache, staging, step, meta
 
 
@@ -61,7 +63,8 @@ def _meta(query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
 def _decode(cache: PagedKVCache, staging: Staging | None, step: tuple, meta: AttentionMetadata,
             model_dtype: torch.dtype, kernel: bool,
             layer: int = 0) -> tuple[torch.Tensor, PagedAttention]:
-    attn = PagedAttention(cache, NUM_HEADS, cache.head_dim ** -0.5, model_dtype, staging=staging)
+    num_heads = step[0].shape[1]
+    attn = PagedAttention(cache, num_heads, cache.head_dim ** -0.5, model_dtype, staging=staging)
     if not kernel:
         attn.kernel_unavailable = "disabled by the test"
     return attn(layer, *step, meta), attn
@@ -85,6 +88,56 @@ def test_fused_decode_equals_sdpa_and_reference(k_dtype: str, v_dtype: str, k_sc
     reference = reference_paged_attention(cache, 0, step[0], meta, head_dim ** -0.5,
                                           torch.float32, staging)
     torch.testing.assert_close(fused, sdpa, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.usefixtures("fused_kernel")
+@pytest.mark.parametrize("k_dtype, v_dtype, k_scale", [FORMATS[1], FORMATS[4], FORMATS[5],
+                                                       FORMATS[8]])
+def test_fused_decode_splits_a_long_sequence(k_dtype: str, v_dtype: str, k_scale: str) -> None:
+    """A long sequence next to short ones is attended in parts by several threads
+    (flash-decoding, parts merged by log-sum-exp) and still equals the reference."""
+    lens = [2500, 3, 700]  # 157 blocks: split into parts of at most ~16 blocks
+    cache, staging, step, meta = _decode_step(k_dtype, v_dtype, k_scale, 64, lens,
+                                              torch.float32)
+    fused, attn = _decode(cache, staging, step, meta, torch.float32, kernel=True)
+    reference = reference_paged_attention(cache, 0, step[0], meta, 64 ** -0.5, torch.float32,
+                                          staging)
+    assert attn.path_counts == {"fused_decode": 1}
+    torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.usefixtures("fused_kernel")
+@pytest.mark.parametrize("heads", [(8, 2), (6, 6), (16, 2)])  # G = 4, 1, 8
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("k_dtype, v_dtype, k_scale", [FORMATS[1], FORMATS[4], FORMATS[8]])
+def test_fused_decode_query_groups_over_ragged_blocks(k_dtype: str, v_dtype: str, k_scale: str,
+                                                      head_dim: int,
+                                                      heads: tuple[int, int]) -> None:
+    lens = [5, 31, 33, 250]  # last blocks of 5, 15, 1 and 10 tokens
+    cache, staging, step, meta = _decode_step(k_dtype, v_dtype, k_scale, head_dim, lens,
+                                              torch.float32, heads=heads)
+    fused, attn = _decode(cache, staging, step, meta, torch.float32, kernel=True)
+    reference = reference_paged_attention(cache, 0, step[0], meta, head_dim ** -0.5,
+                                          torch.float32, staging)
+    assert attn.path_counts == {"fused_decode": 1}
+    torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.usefixtures("fused_kernel")
+@pytest.mark.parametrize("k_dtype, v_dtype, k_scale", FORMATS)
+def test_portable_decode_loop_equals_reference(k_dtype: str, v_dtype: str, k_scale: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The portable loop (CPUs without AVX-512, other head dims) on this CPU too."""
+    lib = build.load(kernels.SOURCE)
+    monkeypatch.setattr(kernels._KERNEL, "_loaded",
+                        kernels.DecodeKernel(lib, "paged_decode_portable"))
+    cache, staging, step, meta = _decode_step(k_dtype, v_dtype, k_scale, 64, [1, 17, 100],
+                                              torch.float32)
+    fused, attn = _decode(cache, staging, step, meta, torch.float32, kernel=True)
+    reference = reference_paged_attention(cache, 0, step[0], meta, 64 ** -0.5, torch.float32,
+                                          staging)
+    assert attn.path_counts == {"fused_decode": 1}
     torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
 
 

@@ -10,9 +10,11 @@ import random
 import pytest
 import torch
 
+from slimkv.config import ConfigError
 from slimkv.engine import LLMEngine
 from slimkv.kv.cache import PagedKVCache
 from slimkv.model.loader import read_model_args
+from slimkv.plugins import build_engine
 from slimkv.kv.offload.chunk import CHUNK_BLOCKS
 from slimkv.kv.offload.disk import HEADER
 from slimkv.sampling import SamplingParams
@@ -70,7 +72,7 @@ def evict_everything(engine: LLMEngine) -> None:
     seq = Sequence(f"e{next(_ids)}", tokens(engine.pool.num_blocks * 16, 3), SamplingParams())
     engine.manager.allocate(seq, seq.num_tokens)
     engine.manager.free(seq)
-    engine.tier.flush()
+    engine.connector.flush()
     assert not any(b.block_hash in engine.manager._block_hashes(
         Sequence("x", DOC, SamplingParams()), 32) for b in engine.pool.blocks)
 
@@ -99,7 +101,7 @@ def reference_logits(name: str) -> torch.Tensor:
 @pytest.mark.parametrize("name", KV_FORMATS)
 def test_reloaded_session_gives_the_never_evicted_logits(tmp_path, name) -> None:
     # one chunk fits in host memory: the other spills to disk, so both tiers are read
-    engine = LLMEngine(offload_config(tmp_path, KV_FORMATS[name], host_chunks=1.5))
+    engine = build_engine(offload_config(tmp_path, KV_FORMATS[name], host_chunks=1.5))
     tail_logits(engine, DOC)
     evict_everything(engine)
     stats = engine.stats().offload
@@ -111,33 +113,33 @@ def test_reloaded_session_gives_the_never_evicted_logits(tmp_path, name) -> None
     stats = engine.stats().offload
     assert stats["host"].loaded_blocks == stats["disk"].loaded_blocks == CHUNK_BLOCKS
     assert sum(stats["disk"].load_counts) == 1 and stats["disk"].load_seconds > 0
-    engine.tier.close()
+    engine.connector.close()
 
 
 def test_a_restarted_engine_reuses_the_directory(tmp_path) -> None:
     config = offload_config(tmp_path, {}, host_chunks=4, write="idle", idle_s=0)
-    first = LLMEngine(config)
+    first = build_engine(config)
     tail_logits(first, DOC)
-    first.tier.close()                                       # host chunks go to disk
+    first.connector.close()                                       # host chunks go to disk
     files = list(tmp_path.glob("*.kv"))
     assert len(files) == 2 and all(f.stat().st_size > HEADER.size for f in files)
-    second = LLMEngine(config)
+    second = build_engine(config)
     assert second.stats().offload["disk"].num_bytes == sum(f.stat().st_size for f in files)
     cached, logits = tail_logits(second, TURN2)
     assert cached == len(DOC) and torch.equal(logits, reference_logits("int8"))
     assert second.stats().offload["disk"].loaded_blocks == 2 * CHUNK_BLOCKS
-    second.tier.close()
+    second.connector.close()
 
 
 def test_idle_chunks_are_written_when_a_later_request_finishes(tmp_path) -> None:
-    engine = LLMEngine(offload_config(tmp_path, {}, host_chunks=4, write="idle", idle_s=0))
+    engine = build_engine(offload_config(tmp_path, {}, host_chunks=4, write="idle", idle_s=0))
     tail_logits(engine, DOC)
     assert engine.stats().offload["host"].stored_blocks == 0
     engine.add_request(tokens(5, seed=9), SamplingParams(max_tokens=1))
     engine.step()
-    engine.tier.flush()
+    engine.connector.flush()
     assert engine.stats().offload["host"].stored_blocks == 2 * CHUNK_BLOCKS
-    engine.tier.close()
+    engine.connector.close()
 
 
 def generate(engine: LLMEngine, ids: list[int], session: str) -> tuple[list[int], int]:
@@ -149,7 +151,7 @@ def generate(engine: LLMEngine, ids: list[int], session: str) -> tuple[list[int]
 
 
 def test_turns_through_the_engine_loop_hit_the_tier(tmp_path) -> None:
-    engine = LLMEngine(offload_config(tmp_path, {}, host_chunks=0))   # disk only
+    engine = build_engine(offload_config(tmp_path, {}, host_chunks=0))   # disk only
     out1, _ = generate(engine, DOC, "s")
     follow = DOC + out1 + tokens(20, seed=5)
     ref_engine = LLMEngine(small_config(kv_cache={"num_blocks": 96}))
@@ -161,4 +163,9 @@ def test_turns_through_the_engine_loop_hit_the_tier(tmp_path) -> None:
     assert cached == ref_cached >= len(DOC)
     assert out2 == reference
     assert engine.stats().offload["disk"].loaded_blocks == cached // 16
-    engine.tier.close()
+    engine.connector.close()
+
+
+def test_an_engine_built_without_the_connector_refuses_an_offload_config(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="kv_cache.offload"):
+        LLMEngine(offload_config(tmp_path, {}, host_chunks=4))

@@ -43,7 +43,7 @@ class Setup:
         blocks = self.pool.get_new_blocks(len(hashes))
         for block, h in zip(blocks, hashes):
             self.pool.cache_block(block, h)
-        self.tier.on_free(hashes)
+        self.tier.save(hashes)
         self.pool.free_blocks(reversed(blocks))
         return blocks
 
@@ -68,7 +68,7 @@ def test_write_back_on_eviction_and_load_are_bit_identical() -> None:
     for i, h in enumerate((hashes[CHUNK_BLOCKS - 1], hashes[2 * CHUNK_BLOCKS - 1], hashes[-1])):
         payload, tier = s.tier.fetch(s.layout.key(h))
         assert tier == "host" and torch.equal(payload, before[i])
-    loaded = s.tier.extend(hashes, [])
+    loaded = s.tier.load(hashes, [])
     assert len(loaded) == len(hashes)
     assert [s.pool.cached[h] for h in hashes] == loaded
     assert all(b.ref_cnt == 0 for b in loaded)
@@ -77,9 +77,9 @@ def test_write_back_on_eviction_and_load_are_bit_identical() -> None:
     assert s.tier.stats()["host"].loaded_blocks == len(hashes)
     # a longer chain finds the partial chunk, a diverging one stops before it
     s.evict_all()
-    assert len(s.tier.extend(hashes + chain(2, seed=9), [])) == len(hashes)
+    assert len(s.tier.load(hashes + chain(2, seed=9), [])) == len(hashes)
     s.evict_all()
-    assert len(s.tier.extend(hashes[:2 * CHUNK_BLOCKS] + chain(3, seed=9), [])) == \
+    assert len(s.tier.load(hashes[:2 * CHUNK_BLOCKS] + chain(3, seed=9), [])) == \
         2 * CHUNK_BLOCKS
 
 
@@ -89,12 +89,12 @@ def test_load_continues_after_partial_pool_hits() -> None:
     ids = [b.block_id for b in s.cache_chain(hashes)]
     before = {name: t[:, ids].clone() for name, t in s.layout.tensors}
     s.evict_all()
-    assert s.tier.extend(hashes[:5], []) == []          # the chunk ends after block 5
+    assert s.tier.load(hashes[:5], []) == []          # the chunk ends after block 5
     head = s.pool.get_new_blocks(5)                            # the pool still holds 5 blocks
     for block, h in zip(head, hashes[:5]):
         s.pool.cache_block(block, h)
     s.pool.free_blocks(head)
-    loaded = s.tier.extend(hashes, head)
+    loaded = s.tier.load(hashes, head)
     assert len(loaded) == CHUNK_BLOCKS - 5 and all(b.ref_cnt == 0 for b in head + loaded)
     assert not {b.block_id for b in head} & {b.block_id for b in loaded}
     loaded_ids = [b.block_id for b in loaded]
@@ -108,8 +108,8 @@ def test_stored_chunks_are_not_written_twice() -> None:
     hashes = chain(CHUNK_BLOCKS, seed=3)
     s.cache_chain(hashes)
     s.evict_all()
-    s.tier.extend(hashes, [])
-    s.tier.on_free(hashes)           # the reloaded session finishes again
+    s.tier.load(hashes, [])
+    s.tier.save(hashes)           # the reloaded session finishes again
     s.evict_all()
     assert s.tier.stats()["host"].stored_blocks == CHUNK_BLOCKS
 
@@ -120,7 +120,7 @@ def test_idle_mode_writes_after_idle_s() -> None:
     blocks = s.pool.get_new_blocks(CHUNK_BLOCKS)
     for block, h in zip(blocks, hashes):
         s.pool.cache_block(block, h)
-    s.tier.on_free(hashes, now=100.0)
+    s.tier.save(hashes, now=100.0)
     s.pool.free_blocks(reversed(blocks))
     s.tier.tick(now=105.0)
     s.tier.flush()

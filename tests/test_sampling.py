@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from slimkv.logits_process import process_logits_
+from slimkv.options.logprobs import Logprobs
+from slimkv.options.penalties import Penalties, process_logits_
 from slimkv.sampling import Sampler, SamplingParams, sample
 from slimkv.sequence import Sequence
 
@@ -92,7 +93,7 @@ def test_logprobs_are_the_raw_log_softmax_with_the_top_k():
     seqs = [seq([1], [], temperature=0, logprobs=2, presence_penalty=2.0),
             seq([1], [], temperature=0)]
     seqs[0].token_ids += [1]  # penalised in the draw, not in the reported logprobs
-    out = Sampler()(logits, seqs)
+    out = Sampler([Logprobs(), Penalties(frozenset())])(logits, seqs)
     raw = logits[0].log_softmax(-1)
     assert out[0].token_id == 2
     assert out[0].logprob == pytest.approx(raw[2].item())

@@ -1,8 +1,10 @@
 """The serving core stays small enough to read in a sitting: under 3,000 lines in all and
-no module of the package over 300 (what counts as the core: docs/architecture.md)."""
+no module of the package over 300 (what counts as the core: docs/architecture.md); the
+plug-ins stay outside it because the core never imports them."""
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
@@ -11,14 +13,19 @@ PACKAGE = Path(__file__).resolve().parent.parent / "slimkv"
 CORE_BUDGET, MODULE_MAX = 3000, 300
 # The path one request takes through one engine (issue 19: model, kv, attention, kernels glue,
 # scheduler, engine/runner, sequence, sampling, outputs, config): config and defaults,
-# bookkeeping, the sampler and its OpenAI options (logit processing, logprobs, n choices,
-# structured output), the model and its weights, the KV pool, its formats and its offload
-# tier, attention and the kernel glue, the runner and the engine loop.
+# bookkeeping, the sampler with its logits-processor protocol and n choices, outputs and the
+# detokenizer, the model and its weights, the KV pool, its formats and its connector
+# protocol, attention and the kernel glue, start-up memory, the runner, the engine and its
+# stats snapshot.
 CORE = ["config.py", "stats.py", "sequence.py", "sampling_params.py", "sampling.py",
-        "logits_process.py", "logprobs.py", "choices.py", "structured.py", "outputs.py",
-        "model/*.py", "kv/*.py", "kv/offload/*.py", "metadata.py", "attention.py",
+        "choices.py", "outputs.py", "model/*.py", "kv/*.py", "metadata.py", "attention.py",
         "kernels/*.py", "scheduler.py", "memory.py", "runner.py", "engine.py",
         "engine_stats.py"]
+# Plug-ins: the core calls them through a protocol (kv/connector.py's KVConnector,
+# sampling.py's LogitsProcessor) and never imports them; slimkv/plugins.py builds engines
+# with them. The offload tier and the OpenAI sampling options (logprobs, penalties,
+# logit_bias, min_tokens, structured output).
+PLUGINS = ("slimkv.kv.offload", "slimkv.options")
 
 
 def lines(path: Path) -> int:
@@ -29,13 +36,44 @@ def core_files() -> list[Path]:
     return sorted({path for pattern in CORE for path in PACKAGE.glob(pattern)})
 
 
-# Not met: counted as issue 19 defines the core, it is ~5,080 lines; the list this test had
-# before (without model/, kv/offload/, kernels/build and qgemm, and the OpenAI options of
-# #20) came to ~3,100. Open in issue 19 (docs/architecture.md, "The serving core").
+def imported_names(path: Path) -> set[str]:
+    """Every module an import statement names, anywhere in the file (top level, functions,
+    ``TYPE_CHECKING``), with the names ``from x import`` takes (``x.y``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def test_the_core_list_names_modules_that_exist() -> None:
+    for pattern in CORE:
+        assert list(PACKAGE.glob(pattern)), pattern
+
+
+def test_no_core_module_imports_a_plugin() -> None:
+    """Not by an import statement, nor by name at run time (``import_module``,
+    ``__import__``), nor through the builder that does (slimkv.plugins)."""
+    reaching = {}
+    for path in core_files():
+        tree = ast.parse(path.read_text())
+        bad = sorted(n for n in imported_names(path)
+                     if n.startswith(PLUGINS) or n.startswith("slimkv.plugins"))
+        bad += [f"{name}()" for node in ast.walk(tree) if isinstance(node, ast.Call)
+                for name in [getattr(node.func, "attr", getattr(node.func, "id", None))]
+                if name in ("import_module", "__import__")]
+        if bad:
+            reaching[str(path.relative_to(PACKAGE))] = bad
+    assert not reaching, reaching
+
+
+# Not met: the core as issue 19 defines it, with the offload tier and the OpenAI options
+# now plug-ins outside it, is ~4,290 lines (docs/architecture.md, "The serving core").
 @pytest.mark.xfail(strict=True, reason="serving core over its 3,000-line budget (issue 19)")
 def test_the_serving_core_is_under_its_budget() -> None:
     counts = {str(p.relative_to(PACKAGE)): lines(p) for p in core_files()}
-    assert len(counts) >= len(CORE)
     total = sum(counts.values())
     table = "\n".join(f"{n:5d} {name}" for name, n in sorted(counts.items(), key=lambda i: -i[1]))
     assert total < CORE_BUDGET, f"serving core: {total} lines (budget {CORE_BUDGET})\n{table}"

@@ -28,7 +28,7 @@ from slimkv.loadtest.client import RequestResult
 from slimkv.loadtest.report import summarize
 from slimkv.loadtest.runner import LevelRun, RunSpec, run_level
 from slimkv.loadtest.workloads import WorkloadSpec
-from slimkv.stats import percentile
+from slimkv.workload import percentile
 
 VARIANTS = {"single": (1, "slimkv"), "slimkv": (2, "slimkv"), "pow2": (2, "pow2")}
 LABELS = {"single": "1 engine", "slimkv": "2 replicas, slimkv router",

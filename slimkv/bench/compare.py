@@ -18,6 +18,7 @@ from slimkv.bench.engine import machine_info
 from slimkv.bench.peers import Peers
 from slimkv.config import Config
 from slimkv.engine import LLMEngine
+from slimkv.plugins import build_engine
 from slimkv.sampling import SamplingParams
 from slimkv.workload import random_prompt, run_until_done
 
@@ -45,7 +46,7 @@ def engine_for(config: Config, kv_dtype: str, max_seqs: int, max_tokens: int) ->
     config = config.replace("kv_cache", dtype=kv_dtype, k_dtype=None, v_dtype=None,
                             num_blocks=blocks, enable_prefix_caching=False, watermark=1.0,
                             max_concurrency_soft=max_seqs)
-    return LLMEngine(config.replace("scheduler", policy="fcfs"))
+    return build_engine(config.replace("scheduler", policy="fcfs"))
 
 
 def batched(engine: LLMEngine, prompts: int, prompt_len: int, new_tokens: int) -> dict[str, Any]:

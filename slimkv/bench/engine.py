@@ -11,6 +11,7 @@ import torch
 
 from slimkv.config import Config
 from slimkv.engine import LLMEngine
+from slimkv.plugins import build_engine
 from slimkv.sampling import SamplingParams
 from slimkv.workload import random_prompt, run_until_done
 
@@ -43,7 +44,7 @@ def bench_engine(config: Config, kv_dtypes: list[str], prompt_lens: list[int],
         cfg = config.replace("kv_cache", dtype=dtype, k_dtype=None, v_dtype=None,
                              layer_dtypes=None, enable_prefix_caching=False, watermark=1.0,
                              max_concurrency_soft=max(batches))
-        engine = LLMEngine(cfg)
+        engine = build_engine(cfg)
         row: dict[str, Any] = {"bytes_per_token": engine.stats().bytes_per_token}
         measure_prefill(engine, 16)  # warm-up
         for length in prompt_lens:

@@ -22,8 +22,10 @@ from typing import Any
 from slimkv.bench.engine import machine_info
 from slimkv.config import Config
 from slimkv.engine import LLMEngine
+from slimkv.plugins import build_engine
 from slimkv.sampling import SamplingParams
-from slimkv.stats import cdiv, percentile
+from slimkv.stats import cdiv
+from slimkv.workload import percentile
 
 MODES = ("off", "host", "disk")
 
@@ -95,7 +97,7 @@ def bench_doc(config: Config, work: Workload) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="slimkv-offload-") as directory:
         for mode in MODES:
             mode_config = base.replace("kv_cache", offload=offload_for(mode, directory))
-            engine = LLMEngine(mode_config)
+            engine = build_engine(mode_config)
             rng = random.Random(work.seed)
             vocab = engine.model_args.vocab_size
             histories = [[rng.randrange(100, vocab) for _ in range(work.doc_tokens)]
@@ -103,8 +105,8 @@ def bench_doc(config: Config, work: Workload) -> dict[str, Any]:
             rows = run_sessions(engine, work, histories, range(1, work.turns + 1), rng)
             out["modes"][mode] = {**summarize(rows), "offload": _tier_stats(engine),
                                   "turns": rows}
-            if engine.tier is not None:
-                engine.tier.close()
+            if engine.connector is not None:
+                engine.connector.close()
             if mode == "disk":
                 out["restart"] = bench_restart(mode_config, work, histories, rng)
     return out
@@ -115,7 +117,7 @@ def bench_restart(config: Config, work: Workload, histories: list[list[int]],
     """A new engine over the disk directory: each session's next turn (restart), then one
     more right away (its prefix still in the pool: warm). One short unrelated request first
     warms the new process up (first-forward costs are not the tier's)."""
-    engine = LLMEngine(config)
+    engine = build_engine(config)
     run_turn(engine, [rng.randrange(100, engine.model_args.vocab_size) for _ in range(16)],
              -1, 2)
     restart, warm = [], []
@@ -123,8 +125,8 @@ def bench_restart(config: Config, work: Workload, histories: list[list[int]],
         for bucket in (restart, warm):
             rows = run_sessions(engine, work, [history], range(1), rng)
             bucket.append({**rows[0], "session": s})
-    if engine.tier is not None:
-        engine.tier.close()
+    if engine.connector is not None:
+        engine.connector.close()
     return {"restart_p50_ttft_s": percentile([r["ttft"] for r in restart], 50),
             "warm_p50_ttft_s": percentile([r["ttft"] for r in warm], 50),
             "restart": restart, "warm": warm}

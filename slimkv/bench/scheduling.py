@@ -13,15 +13,14 @@ from typing import Any
 
 from slimkv.bench.engine import machine_info
 from slimkv.config import Config
-from slimkv.engine import LLMEngine
+from slimkv.plugins import build_engine
 from slimkv.sampling import SamplingParams
-from slimkv.stats import percentile
-from slimkv.workload import random_prompt
+from slimkv.workload import percentile, random_prompt
 
 
 def run_lanes(config: Config, policy: str, long_tokens: int, num_short: int,
               short_tokens: int) -> dict[str, Any]:
-    engine = LLMEngine(config.replace("scheduler", policy=policy))
+    engine = build_engine(config.replace("scheduler", policy=policy))
     vocab = engine.model_args.vocab_size
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     if long_tokens:
@@ -43,7 +42,7 @@ def run_lanes(config: Config, policy: str, long_tokens: int, num_short: int,
 
 
 def run_paging(config: Config, paged: bool, prompt_lens: list[int]) -> dict[str, Any]:
-    engine = LLMEngine(config.replace("kv_cache", paged=paged, enable_prefix_caching=False))
+    engine = build_engine(config.replace("kv_cache", paged=paged, enable_prefix_caching=False))
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     for i, n in enumerate(prompt_lens):
         engine.add_request(random_prompt(n, engine.model_args.vocab_size, seed=i), params)

@@ -21,8 +21,8 @@ from ray import serve
 from slimkv.cluster.policy import routing_stats
 from slimkv.cluster.wire import RouteHint, WireError, WireRequest
 from slimkv.config import Config
-from slimkv.engine import LLMEngine
 from slimkv.outputs import RequestOutput
+from slimkv.plugins import build_engine
 from slimkv.server.async_engine import AsyncEngine, GenerateRequest
 from slimkv.server.canary import Canary
 from slimkv.server.errors import APIError
@@ -32,7 +32,7 @@ from slimkv.server.metrics import ServerMetrics
 class EngineReplica:
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = Config.from_dict(config)
-        llm_engine = LLMEngine(self.config)
+        llm_engine = build_engine(self.config)
         metrics = ServerMetrics(llm_engine.model_name)
         canary = (Canary(self.config, metrics.registry, llm_engine.model_name)
                   if self.config.canary.fraction > 0 else None)

@@ -23,6 +23,7 @@ from slimkv.eval import corpus
 from slimkv.eval.harness import eval_config
 from slimkv.eval.perplexity import TokenStats, next_token_logprobs
 from slimkv.kv.cache import PagedKVCache
+from slimkv.plugins import build_engine
 
 RANK_METRICS = ("perplexity", "kl")
 
@@ -108,7 +109,7 @@ class Scorer:
     def __init__(self, config: Config, reference: str, window: int,
                  num_windows: int | None) -> None:
         self.base = eval_config(config, reference, window)
-        engine = LLMEngine(self.base)
+        engine = build_engine(self.base)
         self.shape = KVShape.of(engine)
         self.model = engine.model_name
         self.windows = corpus.windows(engine.tokenizer, window, num_windows)
@@ -123,7 +124,7 @@ class Scorer:
         return sum(len(t) for t in self.targets)
 
     def score(self, dtype: str, layer_dtypes: dict[str, list[int]] | None) -> Score:
-        engine = LLMEngine(self.base.replace("kv_cache", dtype=dtype, layer_dtypes=layer_dtypes))
+        engine = build_engine(self.base.replace("kv_cache", dtype=dtype, layer_dtypes=layer_dtypes))
         stats = TokenStats()
         for window, ref, targets in zip(self.windows, self.refs, self.targets):
             stats.add(next_token_logprobs(engine.score(window)), targets, ref)

@@ -37,7 +37,8 @@ def _library_path(source: Path, cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     flags = next((line for line in cpu.splitlines() if line.startswith("flags")), "")
-    key = hashlib.sha256("\0".join((source.read_text(), " ".join(FLAGS), version, flags))
+    headers = "".join(h.read_text() for h in sorted(source.parent.glob("*.h")))
+    key = hashlib.sha256("\0".join((source.read_text(), headers, " ".join(FLAGS), version, flags))
                          .encode()).hexdigest()[:16]
     root = Path(os.environ.get(KERNEL_DIR_ENV) or Path.home() / ".cache/slimkv/kernels")
     return root / f"{source.stem}-{key}.so"

@@ -8,9 +8,18 @@
  * system C compiler and called through ctypes (which releases the GIL).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VL__)
+#include <immintrin.h>
+#define PD_NATIVE 1
+#else
+#define PD_NATIVE 0
+#endif
 
 enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_F16 = 2, KIND_I8 = 3, KIND_E4M3 = 4, KIND_E5M2 = 5,
        KIND_U4 = 6 };
@@ -273,12 +282,109 @@ attend(const float *qh, float *o, int64_t L, const int64_t *table, int own, int6
         for (int d = 0; d < D; d++) o[g * D + d] = acc[g * D + permuted(d, v_u4, D)] / sum[g];
 }
 
-/* q, out: [B, Hq, D] float32. block_tables [B, max_blocks], seq_lens [B], own_slots [B]
- * (staging slot per sequence; NULL when the cache is not staged). */
-void paged_decode(const float *q, float *out, int B, int Hq, int H, int D, int bs,
-                  const int64_t *block_tables, int max_blocks, const int64_t *seq_lens,
-                  const kv_side *k, const kv_side *v, const void *own_k, const void *own_v,
-                  int own_kind, const int64_t *own_slots, float sm_scale) {
+
+#if PD_NATIVE
+#include "paged_decode_avx512.h"
+#endif
+
+/* ---- entry point --------------------------------------------------------------------- */
+
+/* One task: sequence b over its blocks [j0, j1), all heads; `part` indexes its result. */
+typedef struct {
+    int b, j0, j1, part;
+} task;
+
+/* Parts p0 .. p0 + np of one sequence ([Hq * D] acc, [Hq] max, [Hq] sum each) merged by
+ * their maxima (log-sum-exp) into out[Hq * D]. One part is exactly acc / sum. */
+static void merge_parts(const float *parts, int p0, int np, int Hq, int D, float *out) {
+    size_t stride = (size_t)Hq * (D + 2);
+    for (int i = 0; i < Hq; i++) {
+        float mx = -INFINITY, s = 0.0f, w[np];
+        for (int p = 0; p < np; p++) {
+            float m = parts[(p0 + p) * stride + (size_t)Hq * D + i];
+            mx = m > mx ? m : mx;
+        }
+        for (int p = 0; p < np; p++) {
+            const float *part = parts + (p0 + p) * stride + (size_t)Hq * D;
+            w[p] = np == 1 ? 1.0f : exp_nonpos(part[i] - mx);
+            s += w[p] * part[Hq + i];
+        }
+        for (int d = 0; d < D; d++) {
+            float a = 0.0f;
+            for (int p = 0; p < np; p++) a += w[p] * parts[(p0 + p) * stride + (size_t)i * D + d];
+            out[i * D + d] = a / s;
+        }
+    }
+}
+
+/* Parts of a sequence of nblocks: one while the batch alone keeps every thread busy; a
+ * small batch's long sequences are split so that there are ~8 tasks per thread
+ * (flash-decoding), in parts of at least ~256 tokens (shorter ones cost more than they save). */
+static int num_parts_of(int64_t nblocks, int64_t all_blocks, int bs) {
+    int64_t tasks = 8 * (int64_t)omp_get_max_threads();
+    int64_t per = (all_blocks + tasks - 1) / tasks, min_blocks = (256 + bs - 1) / bs;
+    per = per < min_blocks ? min_blocks : per;
+    return (int)((nblocks + per - 1) / per);
+}
+
+#if PD_NATIVE
+static void paged_decode_native(const float *q, float *out, int B, int Hq, int H, int D, int bs,
+                                const int64_t *block_tables, int max_blocks,
+                                const int64_t *seq_lens, const kv_side *k, const kv_side *v,
+                                const void *own_k, const void *own_v, int own_kind,
+                                const int64_t *own_slots, float sm_scale) {
+    int G = Hq / H, num_tasks = 0;
+    int64_t all_blocks = 0;
+    for (int b = 0; b < B; b++) all_blocks += (seq_lens[b] + bs - 1) / bs;
+    for (int b = 0; b < B; b++) num_tasks += num_parts_of((seq_lens[b] + bs - 1) / bs, all_blocks, bs);
+    task *tasks = malloc(sizeof(task) * num_tasks);
+    int *first = malloc(sizeof(int) * (B + 1)); /* sequence b's parts: first[b] .. first[b+1] */
+    for (int b = 0, i = 0; b < B; b++) {
+        int nblocks = (int)((seq_lens[b] + bs - 1) / bs);
+        int np = num_parts_of(nblocks, all_blocks, bs), per = (nblocks + np - 1) / np;
+        first[b] = i;
+        for (int j0 = 0; j0 < nblocks; j0 += per, i++)
+            tasks[i] = (task){b, j0, j0 + per < nblocks ? j0 + per : nblocks, i};
+    }
+    first[B] = num_tasks;
+    size_t stride = (size_t)Hq * (D + 2);
+    float *parts = malloc(sizeof(float) * stride * num_tasks);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int i = 0; i < num_tasks; i++) {
+        task t = tasks[i];
+        int64_t L = seq_lens[t.b];
+        int own = own_slots ? (int)((L - 1) / bs) : -1;
+        int64_t slot = own_slots ? own_slots[t.b] : 0;
+        const int64_t *table = block_tables + (size_t)t.b * max_blocks;
+        const float *qb = q + (size_t)t.b * Hq * D;
+        float *acc = parts + stride * t.part, *m = acc + (size_t)Hq * D, *sum = m + Hq;
+        float *scores = malloc(sizeof(float) * Hq * (size_t)(t.j1 - t.j0) * bs);
+        if (D == 64) /* literal head dims get unrolled code */
+            attend_part(qb, L, table, own, slot, H, G, 64, bs, k, v, own_k, own_v, own_kind,
+                        sm_scale, t.j0, t.j1, scores, m, sum, acc);
+        else if (D == 128)
+            attend_part(qb, L, table, own, slot, H, G, 128, bs, k, v, own_k, own_v, own_kind,
+                        sm_scale, t.j0, t.j1, scores, m, sum, acc);
+        else
+            attend_part(qb, L, table, own, slot, H, G, D, bs, k, v, own_k, own_v, own_kind,
+                        sm_scale, t.j0, t.j1, scores, m, sum, acc);
+        free(scores);
+    }
+#pragma omp parallel for schedule(static)
+    for (int b = 0; b < B; b++)
+        merge_parts(parts, first[b], first[b + 1] - first[b], Hq, D, out + (size_t)b * Hq * D);
+    free(parts);
+    free(first);
+    free(tasks);
+}
+#endif
+
+/* paged_decode on the portable loop, whatever the CPU (tests compare the two). */
+void paged_decode_portable(const float *q, float *out, int B, int Hq, int H, int D, int bs,
+                           const int64_t *block_tables, int max_blocks, const int64_t *seq_lens,
+                           const kv_side *k, const kv_side *v, const void *own_k,
+                           const void *own_v, int own_kind, const int64_t *own_slots,
+                           float sm_scale) {
     int G = Hq / H;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int b = 0; b < B; b++) {
@@ -302,3 +408,23 @@ void paged_decode(const float *q, float *out, int B, int Hq, int H, int D, int b
         }
     }
 }
+
+/* q, out: [B, Hq, D] float32. block_tables [B, max_blocks], seq_lens [B], own_slots [B]
+ * (staging slot per sequence; NULL when the cache is not staged). */
+void paged_decode(const float *q, float *out, int B, int Hq, int H, int D, int bs,
+                  const int64_t *block_tables, int max_blocks, const int64_t *seq_lens,
+                  const kv_side *k, const kv_side *v, const void *own_k, const void *own_v,
+                  int own_kind, const int64_t *own_slots, float sm_scale) {
+#if PD_NATIVE
+    if (D % 16 == 0 && D <= MAX_D) {
+        paged_decode_native(q, out, B, Hq, H, D, bs, block_tables, max_blocks, seq_lens, k, v,
+                            own_k, own_v, own_kind, own_slots, sm_scale);
+        return;
+    }
+#endif
+    paged_decode_portable(q, out, B, Hq, H, D, bs, block_tables, max_blocks, seq_lens, k, v,
+                          own_k, own_v, own_kind, own_slots, sm_scale);
+}
+
+/* Whether paged_decode takes the AVX-512 path for head dim D. */
+int paged_decode_native_for(int D) { return PD_NATIVE && D % 16 == 0 && D <= 256; }

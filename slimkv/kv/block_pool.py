@@ -120,7 +120,7 @@ class BlockPool:
         self.evict_policy = evict_policy
         self.num_evictions = 0
         self._clock = 0
-        self.on_evict: Callable[[Block], None] = lambda block: None  # the offload write-back
+        self.on_evict: Callable[[Block], None] = lambda block: None  # a KV connector's write-back
 
     @property
     def num_blocks(self) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Hashable
 
 from slimkv.kv.block_pool import Block, BlockHash, BlockPool, hash_block
+from slimkv.kv.connector import KVConnector
 from slimkv.sequence import Sequence
 from slimkv.stats import cdiv
 
@@ -40,11 +41,11 @@ class KVCacheManager:
         self.clock = time.monotonic  # a simulator sets its own (session ages)
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hits = 0     # of those, tokens found
-        self.tier = None  # the offload tier below the pool (slimkv/kv/offload), set by it
+        self.connector: KVConnector | None = None  # a KV store below the pool, set by the engine
 
     def get_computed_blocks(self, seq: Sequence) -> list[Block]:
         """Longest run of cached full blocks at the start of the sequence's tokens, in the pool
-        or loaded from the offload tier (a lookup: :meth:`allocate` counts it once admitted).
+        or loaded by the KV connector (a lookup: :meth:`allocate` counts it once admitted).
 
         At least one token is always left to compute, since its logits are needed."""
         hashes = self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
@@ -54,7 +55,7 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        hits += self.tier.extend(hashes, hits) if self.tier else []  # loaded from host or disk
+        hits += self.connector.load(hashes, hits) if self.connector else []  # e.g. host, disk
         return hits
 
     def max_blocks(self, num_tokens: int) -> int:
@@ -120,7 +121,8 @@ class KVCacheManager:
             seq.staging_slot = None
         if seq.session_id is not None:
             self._remember_session(seq)
-        if self.tier: self.tier.on_free(self._hashes.get(seq.request_id, ()))  # noqa: E701
+        if self.connector:
+            self.connector.save(self._hashes.get(seq.request_id, ()))
         self.pool.free_blocks(reversed(seq.blocks))
         seq.blocks = []
         self._hashes.pop(seq.request_id, None)

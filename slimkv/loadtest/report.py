@@ -9,7 +9,7 @@ from typing import Any
 
 from slimkv.loadtest.client import RequestResult
 from slimkv.loadtest.runner import LevelRun
-from slimkv.stats import percentile
+from slimkv.workload import percentile
 
 Summary = dict[str, Any]
 

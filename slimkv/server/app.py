@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 
 from slimkv.config import Config, ServerConfig
-from slimkv.engine import LLMEngine
+from slimkv.plugins import build_engine
 from slimkv.server.async_engine import AsyncEngine, GenerateRequest
 from slimkv.server.backend import REPLICA_HEADER, Backend
 from slimkv.server.canary import Canary
@@ -112,7 +112,7 @@ def _new_id(prefix: str) -> str:
 
 def build_app(config: Config) -> FastAPI:
     """Load the engine for ``config`` and wrap it in the app (the engine thread starts with it)."""
-    llm_engine = LLMEngine(config)
+    llm_engine = build_engine(config)
     metrics = ServerMetrics(llm_engine.model_name)
     canary = (Canary(config, metrics.registry, llm_engine.model_name)
               if config.canary.fraction > 0 else None)

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from slimkv.engine import LLMEngine, RequestError
-from slimkv.engine_stats import CounterDeltas, EngineStats
+from slimkv.engine_stats import EngineStats
 from slimkv.outputs import RequestOutput
 from slimkv.sampling import SamplingParams
 from slimkv.server.cache_state import CacheHistory
 from slimkv.server.canary import Canary
 from slimkv.server.errors import APIError, ServerBusy
-from slimkv.server.metrics import ServerMetrics
+from slimkv.server.metrics import CounterDeltas, ServerMetrics
 
 log = logging.getLogger(__name__)
 

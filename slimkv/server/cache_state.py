@@ -16,7 +16,7 @@ from typing import Any
 
 from slimkv.engine_stats import BlockInfo, EngineStats
 from slimkv.outputs import RequestOutput
-from slimkv.stats import percentile
+from slimkv.workload import percentile
 
 SCHEMA_VERSION = 1
 WINDOW_S = 60

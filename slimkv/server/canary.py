@@ -26,7 +26,8 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from slimkv.config import Config
-from slimkv.engine import LLMEngine, RequestError
+from slimkv.engine import RequestError
+from slimkv.plugins import build_engine
 from slimkv.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ class Canary:
     def __init__(self, config: Config, registry: CollectorRegistry, model_name: str) -> None:
         self.fraction = config.canary.fraction
         self._rng = random.Random(0)
-        self.engine = LLMEngine(config.replace(
+        self.engine = build_engine(config.replace(
             "kv_cache", dtype=config.canary.reference_dtype, k_dtype=None, v_dtype=None,
             layer_dtypes=None, memory_gb=config.canary.memory_gb, num_blocks=None,
             enable_prefix_caching=False))

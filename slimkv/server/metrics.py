@@ -2,7 +2,7 @@
 
 The engine thread calls :meth:`ServerMetrics.update` after every step with the engine's
 :class:`~slimkv.engine_stats.EngineStats` and the increments of its monotonic counters
-(:class:`~slimkv.engine_stats.CounterDeltas`), so gauges show the state the engine itself
+(:class:`CounterDeltas`), so gauges show the state the engine itself
 saw and no engine structure is read from another thread. Each server gets its own
 registry, so several servers can live in one process (tests).
 """
@@ -23,6 +23,21 @@ ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class CounterDeltas:
+    """Increments of :meth:`EngineStats.counters` since the previous call (the first call
+    counts from zero); names that did not move are left out."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}
+
+    def __call__(self, stats: EngineStats) -> dict[str, int]:
+        totals = stats.counters()
+        deltas = {name: n - self._last.get(name, 0) for name, n in totals.items()
+                  if n != self._last.get(name, 0)}
+        self._last = totals
+        return deltas
 
 
 class ServerMetrics:

@@ -7,8 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from slimkv.logprobs import TokenLogprob
-from slimkv.outputs import RequestOutput
+from slimkv.outputs import RequestOutput, TokenLogprob
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -Infinity
 

@@ -14,9 +14,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from slimkv.options.structured import JSON_OBJECT_SCHEMA, canonical_schema, schema_error
 from slimkv.sampling import SamplingParams
 from slimkv.server.errors import APIError
-from slimkv.structured import JSON_OBJECT_SCHEMA, canonical_schema, schema_error
 
 MAX_STOP_STRINGS = 4
 MAX_LOGIT_BIAS = 1024

@@ -20,8 +20,7 @@ from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Send
 
-from slimkv.logprobs import TokenLogprob
-from slimkv.outputs import RequestOutput
+from slimkv.outputs import RequestOutput, TokenLogprob
 from slimkv.server.errors import APIError
 from slimkv.server.payloads import chat_choice, completion_choice, response_envelope, usage
 from slimkv.server.protocol import SamplingRequest

@@ -17,6 +17,7 @@ import numpy as np
 
 from slimkv.config import Config
 from slimkv.engine import LLMEngine
+from slimkv.plugins import build_engine
 from slimkv.simulate.costs import Device, ModelCost, StepModel
 from slimkv.simulate.engine import Batch, Finished, SimEngine, StepRecord
 from slimkv.simulate.run import LevelResult, run_level
@@ -27,7 +28,7 @@ class RealEngine:
     """``LLMEngine`` behind the simulator's interface, on the wall clock."""
 
     def __init__(self, config: Config) -> None:
-        self.engine = LLMEngine(config)
+        self.engine = build_engine(config)
         self.scheduler, self.pool = self.engine.scheduler, self.engine.pool
         self._batch: Batch | None = None
         execute = self.engine.runner.execute

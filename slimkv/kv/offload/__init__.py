@@ -1,28 +1,30 @@
 """A second KV tier below the pool: chunks of full blocks in host memory and on disk,
-loaded instead of recomputed (see :mod:`slimkv.kv.offload.tier`)."""
+loaded instead of recomputed (see :mod:`slimkv.kv.offload.tier`). A plug-in: it serves the
+engine as its :class:`~slimkv.kv.connector.KVConnector`, and the core never imports it."""
 
 from __future__ import annotations
 
 import atexit
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from slimkv.kv.offload.chunk import ChunkLayout, model_digest
 from slimkv.kv.offload.config import OffloadConfig
 from slimkv.kv.offload.tier import OffloadTier
 from slimkv.model import default_model_path
 
+if TYPE_CHECKING:
+    from slimkv.runner import ModelRunner
 
-def attach_offload(engine: Any) -> OffloadTier:
-    """The tier of ``engine.config.kv_cache.offload``, wired to the engine's pool (its
-    evictions write back) and KV manager (its prefix matching loads). The tier stores what
-    it has pending when the process exits (or on :meth:`OffloadTier.close`)."""
-    config = OffloadConfig.of(engine.config.kv_cache)
-    runner = engine.runner
-    path = os.path.realpath(engine.config.model.path or default_model_path())
+
+def offload_connector(runner: ModelRunner) -> OffloadTier:
+    """The tier of ``runner.config.kv_cache.offload`` over the runner's KV pool (the engine
+    attaches it to its block pool and KV manager). The tier stores what it has pending when
+    the process exits (or on :meth:`OffloadTier.close`)."""
+    config = runner.config
+    offload = OffloadConfig.of(config.kv_cache)
+    path = os.path.realpath(config.model.path or default_model_path())
     layout = ChunkLayout(runner.cache, model_digest(path), str(runner.dtype).removeprefix("torch."))
-    tier = OffloadTier(layout, config, pin=runner.device.type == "cuda")
-    tier.attach(engine.pool)
-    engine.manager.tier = tier
+    tier = OffloadTier(layout, offload, pin=runner.device.type == "cuda")
     atexit.register(tier.close)
     return tier

@@ -11,7 +11,7 @@ when the pool evicts any of its blocks (``write: evict``), or once it has been i
 writer through a bounded queue (full: the chunk is dropped and counted), which stores it in
 the host tier; chunks the host tier pushes out spill to disk.
 
-**Reads.** After the pool's prefix match, admission (:meth:`extend`) walks on along the
+**Reads.** After the pool's prefix match, admission (:meth:`load`) walks on along the
 chain one chunk at a time (the full chunk, else the longest partial one): a chunk still
 queued, then host, then disk. A found chunk's blocks go into new pool blocks, indexed by their hashes like any prefix-cached block, so
 the sequence counts them as cache hits. The first miss ends the walk (recompute).
@@ -86,7 +86,7 @@ class OffloadTier:
 
     # -- writes (engine thread) ------------------------------------------------------------
 
-    def on_free(self, hashes: Sequence[BlockHash], now: float | None = None) -> None:
+    def save(self, hashes: Sequence[BlockHash], now: float | None = None) -> None:
         """A sequence freed blocks with these chained hashes: its chunks not stored yet
         become pending (newest last). Also when idle chunks are written (``write: idle``)."""
         now = time.monotonic() if now is None else now
@@ -201,7 +201,7 @@ class OffloadTier:
                 return found[0], found[1], end
         return None
 
-    def extend(self, hashes: Sequence[BlockHash], hits: list[Block]) -> list[Block]:
+    def load(self, hashes: Sequence[BlockHash], hits: list[Block]) -> list[Block]:
         """Blocks loaded into the pool for the chain ``hashes`` past its pool ``hits``, one
         chunk at a time, as prefix-cached blocks (reference count 0, like free hits)."""
         pool, loaded, held = self.pool, [], False

@@ -23,6 +23,9 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
+from slimkv.sampling import LogitsProcessor, SampledToken
+from slimkv.sequence import Sequence
+
 CACHE_SIZE = 64
 JSON_OBJECT_SCHEMA = {"type": "object"}  # response_format {"type": "json_object"}
 
@@ -99,3 +102,28 @@ class Grammars:
     def advance(matchers: list[llguidance.LLMatcher], tokens: list[int]) -> None:
         for matcher, token in zip(matchers, tokens):
             matcher.consume_token(token)
+
+
+class StructuredOutput(LogitsProcessor):
+    """``json_schema``: each request's matcher (``seq.matcher``), made when it is added;
+    the forbidden tokens of every constrained row masked each step; the drawn ones consumed."""
+
+    options = frozenset({"json_schema"})
+
+    def __init__(self, grammars: Grammars) -> None:
+        self.grammars = grammars
+
+    def wants(self, seq: Sequence) -> bool:
+        return seq.matcher is not None
+
+    def add(self, seq: Sequence) -> None:
+        if seq.params.json_schema is not None:
+            seq.matcher = self.grammars.matcher(seq.params.json_schema)
+
+    def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        rows = [row for row, s in enumerate(seqs) if s.matcher is not None]
+        self.grammars.mask_(logits, rows, [seqs[row].matcher for row in rows])
+
+    def accept(self, seqs: list[Sequence], sampled: list[SampledToken]) -> None:
+        pairs = [(s.matcher, t.token_id) for s, t in zip(seqs, sampled) if s.matcher is not None]
+        Grammars.advance(*map(list, zip(*pairs)))

@@ -14,7 +14,20 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from slimkv.sampling import LogitsProcessor
 from slimkv.sequence import Sequence
+
+
+class Penalties(LogitsProcessor):
+    """``min_tokens``, ``logit_bias`` and the penalties, in that order."""
+
+    options = frozenset({"min_tokens", "logit_bias", "penalties"})
+
+    def __init__(self, eos_token_ids: frozenset[int]) -> None:
+        self.eos_token_ids = eos_token_ids
+
+    def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        process_logits_(logits, seqs, self.eos_token_ids)
 
 
 def process_logits_(logits: torch.Tensor, seqs: Seq[Sequence], eos_ids: frozenset[int]) -> None:

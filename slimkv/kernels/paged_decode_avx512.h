@@ -1,0 +1,279 @@
+/* The AVX-512 path of paged_decode.c (included there after the row decoders): one task
+ * attends all heads of one sequence over a run of its blocks (a whole sequence, or a part of
+ * a long one that merge_parts joins with the others: flash-decoding).
+ *
+ * Per block and KV head, 16 token rows are decoded once into a float tile that stays in L1
+ * and serves the G query heads of the group: Q.K keeps 16 vector accumulators per head and
+ * sums them with one transpose-reduce (16 scores in one vector, no horizontal sum per dot);
+ * P.V accumulates D/16 vectors per head in registers with the row scale folded into p. A
+ * sequence's blocks lie anywhere in the pool, so the next blocks are prefetched in software.
+ */
+enum { TILE = 16, MAX_D = 256, PREFETCH = 2 }; /* head dims: multiples of 16 up to MAX_D */
+
+/* a[i] summed across its lanes into lane i (15 adds for 16 sums). The shuffle tree leaves
+ * lane i holding the sum of its input P(i), P swapping 1<->2, 4<->8, 5<->10, 6<->9, 7<->11,
+ * 13<->14 (an involution), so a[P(i)] is fed in as input i. */
+static inline __attribute__((always_inline)) __m512 reduce16(const __m512 *a) {
+    static const int P[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+    __m512 w[8], u[4], s[2];
+    for (int i = 0; i < 8; i++) /* 256-bit halves: input i | input i + 8 */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[P[i]], a[P[i + 8]], 0x44),
+                             _mm512_shuffle_f32x4(a[P[i]], a[P[i + 8]], 0xEE));
+    for (int i = 0; i < 4; i++) /* 128-bit blocks */
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88),
+                             _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
+    for (int i = 0; i < 2; i++) /* lane pairs */
+        s[i] = _mm512_add_ps(_mm512_shuffle_ps(u[i], u[i + 2], 0x44),
+                             _mm512_shuffle_ps(u[i], u[i + 2], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], 0x88), _mm512_shuffle_ps(s[0], s[1], 0xDD));
+}
+
+/* exp_nonpos on 16 lanes. */
+static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* sc[0 .. n) = exp(sc - max), returning the max and (in *sum) their sum. */
+static inline __attribute__((always_inline)) float softmax_numerators(float *sc, int64_t n,
+                                                                      float *sum) {
+    __m512 mx = _mm512_set1_ps(-INFINITY), s = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 keep = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+        mx = _mm512_mask_max_ps(mx, keep, mx, _mm512_maskz_loadu_ps(keep, sc + i));
+    }
+    float m = _mm512_reduce_max_ps(mx);
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 keep = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+        __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, sc + i), _mm512_set1_ps(m)));
+        s = _mm512_mask_add_ps(s, keep, s, e);
+        _mm512_mask_storeu_ps(sc + i, keep, e);
+    }
+    *sum = _mm512_reduce_add_ps(s);
+    return m;
+}
+
+/* Block blk (all heads' rows and their scales) on its way to L1. */
+static inline __attribute__((always_inline)) void
+prefetch_block(const kv_side *s, int64_t blk, int H, int bs, const int D) {
+    size_t bytes = (size_t)bs * H * s->width * elem_size(s->kind);
+    const char *base = (const char *)s->data + (size_t)blk * bytes;
+    for (size_t off = 0; off < bytes; off += 64) _mm_prefetch(base + off, _MM_HINT_T0);
+    size_t n = s->scale_mode == SCALE_BLOCK ? (size_t)H * D : (size_t)bs * H * s->groups;
+    if (s->scale_mode == SCALE_NONE) return;
+    for (size_t off = 0; off < 2 * n; off += 64) {
+        _mm_prefetch((const char *)(s->scale + blk * n) + off, _MM_HINT_T0);
+        if (s->zero) _mm_prefetch((const char *)(s->zero + blk * n) + off, _MM_HINT_T0);
+    }
+}
+
+/* load_block_scale with vector conversions (int4 sides keep the scalar permuting loop). */
+static inline __attribute__((always_inline)) void
+block_scale(const kv_side *s, int64_t blk, int h, int H, const int D, float *bsc, float *bz) {
+    if (s->scale_mode != SCALE_BLOCK || (s->kind == KIND_U4 && D % 32)) {
+        load_block_scale(s, blk, h, H, D, bsc, bz);
+        return;
+    }
+    const _Float16 *sc = s->scale + ((size_t)blk * H + h) * D;
+    if (s->kind != KIND_U4) {
+        for (int d = 0; d < D; d += 16)
+            _mm512_storeu_ps(bsc + d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + d))));
+        return;
+    }
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int side = 0; side < 2; side++) { /* int4: channel d to permuted(d): evens, then odds */
+        const _Float16 *src = side ? s->zero + ((size_t)blk * H + h) * D : sc;
+        float *dst = side ? bz : bsc;
+        for (int d = 0; d < D; d += 32) {
+            __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + d)));
+            __m512 b = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + d + 16)));
+            _mm512_storeu_ps(dst + d / 2, _mm512_permutex2var_ps(a, even, b));
+            _mm512_storeu_ps(dst + D / 2 + d / 2, _mm512_permutex2var_ps(a, odd, b));
+        }
+    }
+}
+
+/* load_row with vector conversions for the 8-bit and int4 pool formats (others, and
+ * block-scaled rows whose scale is not folded, go to load_row). fp8 codes become fp16 ones:
+ * e5m2 is the top byte of an fp16, e4m3's bits shifted into fp16's field read 2^-8 of the
+ * value (subnormals included), so a multiply by 256 restores it exactly. */
+static inline __attribute__((always_inline)) float
+row(const kv_side *s, int64_t blk, int t, int h, int H, int bs, const int D, int folded,
+    const float *bsc, const float *bz, float *out) {
+    size_t token = ((size_t)blk * bs + t) * H + h;
+    const uint8_t *r = (const uint8_t *)s->data + token * s->width;
+    int half = D / 2, gs = s->kind == KIND_U4 ? half / s->groups : 0;
+    if ((s->scale_mode == SCALE_BLOCK && !folded) || s->kind < KIND_I8 ||
+        (s->kind == KIND_U4 && (D % 32 || (s->scale_mode == SCALE_TOKEN && gs % 16))))
+        return load_row(s, blk, t, h, H, bs, D, folded, bsc, bz, out);
+    switch (s->kind) {
+    case KIND_I8:
+        for (int d = 0; d < D; d += 16)
+            _mm512_storeu_ps(out + d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                          _mm_loadu_si128((const __m128i *)(r + d)))));
+        break;
+    case KIND_E5M2:
+        for (int d = 0; d < D; d += 16) {
+            __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r + d)));
+            _mm512_storeu_ps(out + d, _mm512_cvtph_ps(_mm256_slli_epi16(x, 8)));
+        }
+        break;
+    case KIND_E4M3:
+        for (int d = 0; d < D; d += 16) {
+            __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r + d)));
+            __m256i h16 = _mm256_or_si256(
+                _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
+                _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7));
+            _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_cvtph_ps(h16), _mm512_set1_ps(256.0f)));
+        }
+        break;
+    case KIND_U4: /* low nibbles to out[0, half), high ones to out[half, D) */
+        for (int i = 0; i < half; i += 16) {
+            __m128i x = _mm_loadu_si128((const __m128i *)(r + i)), low = _mm_set1_epi8(15);
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(x, low)));
+            __m512 hi = _mm512_cvtepi32_ps(
+                _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(x, 4), low)));
+            if (s->scale_mode == SCALE_TOKEN) { /* the group of elements i .. i + 15 */
+                size_t g = token * s->groups + i / gs;
+                __m512 sc = _mm512_set1_ps((float)s->scale[g]), z = _mm512_set1_ps((float)s->zero[g]);
+                lo = _mm512_fmadd_ps(lo, sc, z);
+                hi = _mm512_fmadd_ps(hi, sc, z);
+            }
+            _mm512_storeu_ps(out + i, lo);
+            _mm512_storeu_ps(out + half + i, hi);
+        }
+        return 1.0f;
+    }
+    return s->scale_mode == SCALE_TOKEN ? (float)s->scale[token] : 1.0f;
+}
+
+/* Rows t0 .. t0 + nt of head h of block j (the staged own block when j == own) into
+ * tile[TILE][D] in load_raw's order, rows past nt zero; each row's remaining scale in rsc. */
+static inline __attribute__((always_inline)) void
+load_tile(const kv_side *s, const int64_t *table, int j, int own, const void *own_data,
+          int own_kind, int64_t slot, int t0, int nt, int h, int H, int bs, const int D,
+          int folded, const float *bsc, const float *bz, float *tile, float *rsc) {
+    for (int t = 0; t < nt; t++) {
+        rsc[t] = 1.0f;
+        if (j == own) load_staged(s, own_data, own_kind, slot, t0 + t, h, H, bs, D, tile + t * D);
+        else rsc[t] = row(s, table[j], t0 + t, h, H, bs, D, folded, bsc, bz, tile + t * D);
+    }
+    for (int t = nt; t < TILE; t++) {
+        rsc[t] = 0.0f;
+        memset(tile + t * D, 0, sizeof(float) * D);
+    }
+}
+
+/* Scores of the G query heads qk[G * D] (bias[g] added) against a key tile, stored at
+ * scores[g * stride] for the first nt tokens. */
+static inline __attribute__((always_inline)) void
+tile_scores(const float *qk, const float *bias, int G, const int D, const float *tile,
+            const float *rsc, int nt, float *scores, int64_t stride) {
+    __mmask16 keep = (__mmask16)((1u << nt) - 1);
+    __m512 tsc = _mm512_load_ps(rsc);
+    for (int g = 0; g < G; g++) {
+        __m512 a[TILE];
+        for (int t = 0; t < TILE; t++) {
+            a[t] = _mm512_mul_ps(_mm512_loadu_ps(qk + g * D), _mm512_load_ps(tile + t * D));
+            for (int d = 16; d < D; d += 16)
+                a[t] = _mm512_fmadd_ps(_mm512_loadu_ps(qk + g * D + d),
+                                       _mm512_load_ps(tile + t * D + d), a[t]);
+        }
+        __m512 sc = _mm512_fmadd_ps(reduce16(a), tsc, _mm512_set1_ps(bias[g]));
+        _mm512_mask_storeu_ps(scores + g * stride, keep, sc);
+    }
+}
+
+/* acc[g * D] += p[g * stride + t] * rsc[t] * tile[t] over the tile's nt tokens. */
+static inline __attribute__((always_inline)) void
+tile_values(const float *p, int64_t stride, int G, const int D, const float *tile,
+            const float *rsc, int nt, float *acc) {
+    __mmask16 keep = (__mmask16)((1u << nt) - 1);
+    for (int g = 0; g < G; g++) {
+        float w[TILE] __attribute__((aligned(64)));
+        __m512 pv = _mm512_maskz_loadu_ps(keep, p + g * stride);
+        _mm512_store_ps(w, _mm512_mul_ps(pv, _mm512_load_ps(rsc)));
+        __m512 o[MAX_D / 16]; /* registers when D is a literal */
+        for (int d = 0; d < D / 16; d++) o[d] = _mm512_loadu_ps(acc + g * D + 16 * d);
+        for (int t = 0; t < nt; t++) {
+            __m512 wt = _mm512_set1_ps(w[t]);
+            for (int d = 0; d < D / 16; d++)
+                o[d] = _mm512_fmadd_ps(wt, _mm512_load_ps(tile + t * D + 16 * d), o[d]);
+        }
+        for (int d = 0; d < D / 16; d++) _mm512_storeu_ps(acc + g * D + 16 * d, o[d]);
+    }
+}
+
+/* The Hq = H * G query heads q[Hq * D] of one sequence over its blocks [j0, j1) (positions
+ * below L): per query head the max m, the sum of exp(score - m) and acc[D] = the sum of
+ * exp(score - m) * v, not yet normalised. scores: [Hq, (j1 - j0) * bs] scratch. */
+static inline __attribute__((always_inline)) void
+attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t slot, int H,
+            int G, const int D, int bs, const kv_side *k, const kv_side *v, const void *own_k,
+            const void *own_v, int own_kind, float sm_scale, int j0, int j1, float *scores,
+            float *m, float *sum, float *acc) {
+    float tile[TILE * D] __attribute__((aligned(64))), rsc[TILE] __attribute__((aligned(64)));
+    float bsc[D], bz[D], qp[H * G * D], qs[G * D], bias[G];
+    int k_u4 = k->kind == KIND_U4, fold = k->scale_mode == SCALE_BLOCK;
+    int64_t base = (int64_t)j0 * bs, n = (L < (int64_t)j1 * bs ? L : (int64_t)j1 * bs) - base;
+    for (int i = 0; i < H * G; i++) /* q in the order K rows arrive in */
+        for (int d = 0; d < D; d++) qp[i * D + permuted(d, k_u4, D)] = q[i * D + d] * sm_scale;
+    for (int j = j0; j < j1; j++) { /* scores */
+        int nj = (int)(L - (int64_t)j * bs < bs ? L - (int64_t)j * bs : bs), jv = j - j1 + PREFETCH + j0;
+        if (j + PREFETCH < j1 && j + PREFETCH != own) prefetch_block(k, table[j + PREFETCH], H, bs, D);
+        else if (jv >= j0 && jv != own) prefetch_block(v, table[jv], H, bs, D); /* P.V's first */
+        for (int h = 0; h < H; h++) {
+            const float *qk = qp + h * G * D;
+            for (int g = 0; g < G; g++) bias[g] = 0.0f;
+            if (j != own && fold) { /* q.(raw * s + z) = (q * s).raw + q.z */
+                block_scale(k, table[j], h, H, D, bsc, bz);
+                for (int g = 0; g < G; g++) {
+                    for (int d = 0; d < D; d++) qs[g * D + d] = qk[g * D + d] * bsc[d];
+                    if (k->zero) bias[g] = dot(qk + g * D, bz, D);
+                }
+                qk = qs;
+            }
+            for (int t0 = 0; t0 < nj; t0 += TILE) {
+                int nt = nj - t0 < TILE ? nj - t0 : TILE;
+                load_tile(k, table, j, own, own_k, own_kind, slot, t0, nt, h, H, bs, D, fold,
+                          bsc, bz, tile, rsc);
+                tile_scores(qk, bias, G, D, tile, rsc, nt,
+                            scores + h * G * n + (int64_t)j * bs - base + t0, n);
+            }
+        }
+    }
+    for (int i = 0; i < H * G; i++) m[i] = softmax_numerators(scores + i * n, n, sum + i);
+    memset(acc, 0, sizeof(float) * H * G * D);
+    for (int j = j0; j < j1; j++) { /* P.V */
+        int nj = (int)(L - (int64_t)j * bs < bs ? L - (int64_t)j * bs : bs);
+        if (j + PREFETCH < j1 && j + PREFETCH != own) prefetch_block(v, table[j + PREFETCH], H, bs, D);
+        for (int h = 0; h < H; h++) {
+            if (j != own) block_scale(v, table[j], h, H, D, bsc, bz);
+            for (int t0 = 0; t0 < nj; t0 += TILE) {
+                int nt = nj - t0 < TILE ? nj - t0 : TILE;
+                load_tile(v, table, j, own, own_v, own_kind, slot, t0, nt, h, H, bs, D, 0, bsc,
+                          bz, tile, rsc);
+                tile_values(scores + h * G * n + (int64_t)j * bs - base + t0, n, G, D, tile, rsc,
+                            nt, acc + h * G * D);
+            }
+        }
+    }
+    if (v->kind == KIND_U4) /* acc back to channel order */
+        for (int i = 0; i < H * G; i++) {
+            float natural[D];
+            for (int d = 0; d < D; d++) natural[d] = acc[i * D + permuted(d, 1, D)];
+            memcpy(acc + i * D, natural, sizeof(float) * D);
+        }
+}

@@ -1,0 +1,20 @@
+"""An engine with the package's plug-ins: what the core calls through a small protocol but
+never imports (``tests/test_size.py`` checks it). Build engines from a config here.
+
+- the OpenAI sampling options (logprobs, penalties, ``logit_bias``, ``min_tokens``,
+  structured output): logits processors (:mod:`slimkv.options`) for the sampler;
+- ``kv_cache.offload``: the offload tier (:mod:`slimkv.kv.offload`) as the engine's KV
+  connector (:class:`~slimkv.kv.connector.KVConnector`).
+"""
+
+from __future__ import annotations
+
+from slimkv.config import Config
+from slimkv.engine import LLMEngine
+from slimkv.kv.offload import offload_connector
+from slimkv.options import logits_processors
+
+
+def build_engine(config: Config) -> LLMEngine:
+    """``LLMEngine(config)`` with every plug-in its config may ask for."""
+    return LLMEngine(config, processors=logits_processors, connector=offload_connector)
