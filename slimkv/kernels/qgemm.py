@@ -87,7 +87,7 @@ class QGemm:
         y = torch.empty(rows, n, dtype=torch.float32) if out is None else out
         self._fn(x.data_ptr(), rows, width // 2 if mode & 3 == SILU_MUL else width, width, mode,
                  None if norm_weight is None else norm_weight.data_ptr(), eps,
-                 packed.data_ptr(), packed_bits(packed), n, y.data_ptr(), out is not None)
+                 packed.data_ptr(), (packed.shape[2] >> 6) - 1, n, y.data_ptr(), out is not None)
         return y
 
     def dequantize(self, packed: Tensor, n: int, dtype: torch.dtype) -> Tensor:
