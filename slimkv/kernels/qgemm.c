@@ -6,8 +6,10 @@
  * quantized on entry to int8 per group of 32 as well (one float scale a_d per group, and
  * a_s = a_d * sum(qa) for the min term, llama.cpp's Q8_1), so a group contributes
  *     d * a_d * (q . qa) + m * a_s
- * and q . qa is one VNNI instruction (vpdpbusd: unsigned weight bytes x signed activation
- * bytes) per 64 values. The input can be normalised (RMSNorm) or be [gate | up] to
+ * and q . qa is computed with VNNI (vpdpbusd: unsigned weight bytes x signed activation
+ * bytes) over W repacked at load time in tiles of 16 output rows (layout below), 16
+ * outputs per instruction. IN_FLOAT keeps the activations float instead (exact, slower
+ * here). The input can be normalised (RMSNorm) or be [gate | up] to
  * SiLU-multiply on the way in, and the result can be added to y (the residual): that is
  * what a decoder layer needs around each matmul, without a torch op in between.
  * Built by slimkv/kernels/build.py; without AVX512-VNNI a portable loop computes the same.
