@@ -23,9 +23,9 @@ def main() -> None:
     engine = engine_for(Config.load(), args.kv, 8, 2400)
     prefill_rate(engine, 16)  # warm-up
     print("weights:", engine.runner.weights_class, "dtype:", engine.runner.dtype)
-    for _ in range(args.reps):
-        rate = decode_rate(engine, 1, 16, 128)
-        print(f"single stream after 16: {rate:.2f} tok/s = {1000 / rate:.2f} ms/step", flush=True)
+    ms = sorted(1000 / decode_rate(engine, 1, 16, 128) for _ in range(args.reps))
+    print(f"single stream after 16, ms/step over {args.reps} runs: min {ms[0]:.2f} "
+          f"median {ms[len(ms) // 2]:.2f} max {ms[-1]:.2f}", flush=True)
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()
