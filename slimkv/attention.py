@@ -137,6 +137,7 @@ class PagedAttention:
                 staging.buffer.dtype == dtype in KINDS)
         self._stage = stage_kernel() if lean else None
         self._q = torch.empty(0)
+        self._kernel = decode_kernel() if self.kernel_unavailable is None else None
 
     def _fallback_reason(self) -> str | None:
         """Why the fast quantized path cannot run (None when it can): disabled, or a KV
@@ -218,14 +219,20 @@ class PagedAttention:
         """A step of decodes only, staged cache, fused kernel: one C call stages K/V and
         rounds Q (:mod:`slimkv.kernels.stage`), full blocks go to the pool, then attend."""
         self._count(layer, "fused_decode")
-        q, k, v = (x if self._stage.takes(x) else x.float().contiguous() for x in (q, k, v))
+        take = self._stage.takes
+        if not (take(q) and take(k) and take(v)):
+            q, k, v = (x if take(x) else x.float().contiguous() for x in (q, k, v))
         if self._q.shape != q.shape:  # one float32 Q buffer, reused by every layer
             self._q = torch.empty(q.shape, dtype=torch.float32)
-        buffers = self.staging.layer_buffers(layer)
-        q = self._stage(q, k, v, self.dtype, *buffers, plan.staging_slots, plan.offsets,
-                        self._q)
-        self.staging.store_filled(layer, plan.staging_slots, plan.last_block_id, plan.filled)
-        return self._attend(layer, q, plan, buffers).to(self.dtype)
+        stage_k, stage_v = self.staging.layer_buffers(layer)
+        slots = plan.staging_slots
+        q = self._stage(q, k, v, self.dtype, stage_k, stage_v, slots, plan.offsets, self._q)
+        if plan.filled is not None:
+            self.staging.store_filled(layer, slots, plan.last_block_id, plan.filled)
+        k_side, v_side = self._sides.get(layer) or self._layer_sides(layer)
+        return self._kernel(q, plan.block_tables, plan.seq_lens, k_side, v_side,
+                            self.cache.num_kv_heads, self.cache.block_size, self.scale,
+                            (stage_k, stage_v, slots)).to(self.dtype)
 
     def _fused_decode(self, layer: int, q: Tensor, plan: DecodePlan, out: Tensor) -> None:
         buffers = None if self.staging is None else self.staging.layer_buffers(layer)
@@ -234,13 +241,17 @@ class PagedAttention:
     def _attend(self, layer: int, q: Tensor, plan: DecodePlan,
                 buffers: tuple[Tensor, Tensor] | None) -> Tensor:
         """The fused kernel over float32 ``q [n, Hq, D]`` of the plan's decodes."""
+        return self._kernel(q, plan.block_tables, plan.seq_lens, *self._layer_sides(layer),
+                            self.cache.num_kv_heads, self.cache.block_size, self.scale,
+                            None if buffers is None else (*buffers, plan.staging_slots))
+
+    def _layer_sides(self, layer: int) -> tuple[KVSide, KVSide]:
+        """The kernel's view of the layer's K and V pools, made on first use."""
         if layer not in self._sides:
             self._sides[layer] = tuple(describe(self.cache.layer_codecs[layer][side],
                                                 self.cache.layer_pool(side, layer))
                                        for side in ("k", "v"))
-        return decode_kernel()(q, plan.block_tables, plan.seq_lens, *self._sides[layer],
-                               self.cache.num_kv_heads, self.cache.block_size, self.scale,
-                               None if buffers is None else (*buffers, plan.staging_slots))
+        return self._sides[layer]
 
     def _decode(self, layer: int, q: Tensor, plan: DecodePlan, out: Tensor) -> None:
         """All single-token queries at once; the key-padding mask comes from seq_lens. A

@@ -100,3 +100,18 @@ def test_logprobs_are_the_raw_log_softmax_with_the_top_k():
     assert [t for t, _ in out[0].top] == [1, 2]
     assert [lp for _, lp in out[0].top] == pytest.approx([raw[1].item(), raw[2].item()])
     assert out[1].logprob is None and out[1].top is None
+
+
+def test_argmax_rows_matches_torch_argmax():
+    """The greedy pick equals torch's argmax(dim=-1): first maximum on ties, NaN as the
+    maximum, -inf rows, non-contiguous rows, and non-float32 logits (torch's own path)."""
+    from slimkv.sampling import argmax_rows
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 1000, generator=g)
+    x[1, 10] = x[1, 900] = x[1].max() + 1  # tie: the first
+    x[2, 33] = float("nan")
+    x[2, 500] = float("nan")
+    x[3] = float("-inf")
+    x[4] = 0.0
+    for logits in (x, x[:, ::3], x[::2], x.to(torch.bfloat16), x.double()):
+        assert argmax_rows(logits) == logits.argmax(dim=-1).tolist()

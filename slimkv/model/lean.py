@@ -30,19 +30,23 @@ class QuantBlock(nn.Module):
         self.ffn_norm, self.feed_forward = block.ffn_norm, block.feed_forward
         for norm in (self.attention_norm, self.ffn_norm):  # read by the kernel only
             norm.weight.data = norm.weight.data.float()
+        a = self.attention
+        # Plain references for forward (nn.Module's __getattr__ costs ~0.2 ms a step).
+        self.__dict__["_parts"] = (a.wqkv, a.wo, block.feed_forward.w13, block.feed_forward.w2,
+                                   self.attention_norm, self.ffn_norm, a.layer_idx, a.head_dim,
+                                   a.num_heads, a.num_heads + a.num_kv_heads)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionFn) -> Tensor:
         """``x [T, hidden]`` float32, updated in place and returned; ``cos``, ``sin``
         float32 ``[T, 1, head_dim]`` (the model's tables are float32 once quantized)."""
-        a, f = self.attention, self.feed_forward
-        T = x.shape[0]
-        qkv = a.wqkv.fused(x, RMSNORM, self.attention_norm)
-        a.wqkv.kernel.rope(qkv, a.num_heads + a.num_kv_heads, a.head_dim, cos, sin)
+        wqkv, wo, w13, w2, attention_norm, ffn_norm, layer, head_dim, hq, hqk = self._parts
+        qkv = wqkv.fused(x, RMSNORM, attention_norm)
+        wqkv.kernel.rope(qkv, hqk, head_dim, cos, sin)
         # float32 views: the attention rounds them to the model dtype (in its kernel)
-        q, k, v = (t.view(T, -1, a.head_dim) for t in qkv.split(a.split, dim=-1))
-        out = attn(a.layer_idx, q, k, v)
-        a.wo.fused(out.reshape(T, -1), out=x)
-        f.w2.fused(f.w13.fused(x, RMSNORM, self.ffn_norm), SILU_MUL, out=x)
+        heads = qkv.view(x.shape[0], -1, head_dim)
+        out = attn(layer, heads[:, :hq], heads[:, hq:hqk], heads[:, hqk:])
+        wo.fused(out.reshape(x.shape[0], -1), out=x)
+        w2.fused(w13.fused(x, RMSNORM, ffn_norm), SILU_MUL, out=x)
         return x
 
 
