@@ -77,6 +77,7 @@ class ModelConfig:
     path: str | None = None
     dtype: str = "auto"
     weights: str = "auto"  # float32 / bfloat16: unquantized; int8 / int4: grouped by 32
+    activations: str = "precise"  # quantized weights' kernel: precise (int8 + residual) | int8
     device: str = "auto"
     max_model_len: int | None = None
     name: str | None = None
@@ -84,6 +85,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _check_choice(self.dtype, MODEL_DTYPES, "model.dtype")
         _check_choice(self.weights, WEIGHT_CLASSES, "model.weights")
+        _check_choice(self.activations, ("precise", "int8"), "model.activations")
         _check(self.weights in ("auto", "int8", "int4") or self.dtype in ("auto", self.weights),
                "model.weights", f"{self.weights} weights need model.dtype {self.weights} or auto")
         _check(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),

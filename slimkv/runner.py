@@ -20,6 +20,7 @@ from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
 from slimkv.memory import activation_peak, weight_bytes
 from slimkv.model import load_model
+from slimkv.model.lean import set_activations
 from slimkv.sampling import LogitsProcessor, SampledToken, Sampler
 from slimkv.sequence import Sequence
 
@@ -95,6 +96,7 @@ class ModelRunner:
         self.model_args, self.model, self.tokenizer = load_model(
             config.model.path, self.dtype, self.device, self.weights)
         self.weights_class = weights_class(self.model)
+        set_activations(self.model, config.model.activations == "precise")
         args, kv = self.model_args, config.kv_cache
         self.max_model_len = min(config.model.max_model_len or args.max_position_embeddings,
                                  args.max_position_embeddings)

@@ -50,6 +50,7 @@ def test_typo_key_is_rejected_with_its_name_and_a_hint(tmp_path):
     ("scheduler:\n  slow_lane_token_share: half\n", "scheduler.slow_lane_token_share"),
     ("kv_cache:\n  max_concurrency_soft: 0\n", "kv_cache.max_concurrency_soft"),
     ("model:\n  dtype: int8\n", "model.dtype"),
+    ("model:\n  activations: fp16\n", "model.activations"),
     ("scheduler:\n  policy: lottery\n", "scheduler.policy"),
     ("server:\n  port: 70000\n", "server.port"),
 ])

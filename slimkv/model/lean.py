@@ -50,6 +50,14 @@ class QuantBlock(nn.Module):
         return x
 
 
+def set_activations(model: nn.Module, precise: bool) -> None:
+    """``model.activations``: PRECISE (int8 + int8 residual, ~15 bits) or plain int8
+    activations in every quantized projection's kernel."""
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.precise = precise
+
+
 def quantize_model(model: Transformer, weights: dict[str, QuantTensor],
                    dtype: torch.dtype) -> Transformer:
     """Adopt ``weights`` (state-dict names without ``.weight``: every block's projections,
