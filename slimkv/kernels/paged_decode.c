@@ -6,6 +6,12 @@
  * memory traffic is the stored bytes (1 byte per value for int8/fp8, half for int4).
  * Softmax and accumulation are float32. Built by slimkv/kernels/__init__.py with the
  * system C compiler and called through ctypes (which releases the GIL).
+ *
+ * With AVX-512 (F/BW/DQ/VL) and a head dim that is a multiple of 16 up to 256, paged_decode
+ * takes the tiled path of paged_decode_avx512.h (16-token tiles converted once for the G
+ * query heads, transpose-reduced scores, prefetched blocks, long sequences of small batches
+ * split across threads and merged by log-sum-exp); elsewhere the portable per-row loop below
+ * (`attend`, also exported as paged_decode_portable) computes the same.
  */
 #include <math.h>
 #include <omp.h>

@@ -105,75 +105,97 @@ block_scale(const kv_side *s, int64_t blk, int h, int H, const int D, float *bsc
     }
 }
 
-/* load_row with vector conversions for the 8-bit and int4 pool formats (others, and
- * block-scaled rows whose scale is not folded, go to load_row). fp8 codes become fp16 ones:
- * e5m2 is the top byte of an fp16, e4m3's bits shifted into fp16's field read 2^-8 of the
- * value (subnormals included), so a multiply by 256 restores it exactly. */
-static inline __attribute__((always_inline)) float
-row(const kv_side *s, int64_t blk, int t, int h, int H, int bs, const int D, int folded,
-    const float *bsc, const float *bz, float *out) {
-    size_t token = ((size_t)blk * bs + t) * H + h;
-    const uint8_t *r = (const uint8_t *)s->data + token * s->width;
-    int half = D / 2, gs = s->kind == KIND_U4 ? half / s->groups : 0;
-    if ((s->scale_mode == SCALE_BLOCK && !folded) || s->kind < KIND_I8 ||
-        (s->kind == KIND_U4 && (D % 32 || (s->scale_mode == SCALE_TOKEN && gs % 16))))
-        return load_row(s, blk, t, h, H, bs, D, folded, bsc, bz, out);
-    switch (s->kind) {
-    case KIND_I8:
-        for (int d = 0; d < D; d += 16)
-            _mm512_storeu_ps(out + d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                          _mm_loadu_si128((const __m128i *)(r + d)))));
-        break;
+/* 16 stored values at p (kind `kind`) as floats, scales not applied. fp8 codes become fp16
+ * ones: e5m2 is the top byte of an fp16; e4m3's bits shifted into fp16's fields read 2^-8 of
+ * the value (subnormals included), so a multiply by 256 restores it exactly. */
+static inline __attribute__((always_inline)) __m512 load16(const void *p, const int kind) {
+    switch (kind) {
+    case KIND_F32: return _mm512_loadu_ps(p);
+    case KIND_BF16:
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    case KIND_F16: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    case KIND_I8: return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
     case KIND_E5M2:
-        for (int d = 0; d < D; d += 16) {
-            __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r + d)));
-            _mm512_storeu_ps(out + d, _mm512_cvtph_ps(_mm256_slli_epi16(x, 8)));
-        }
-        break;
-    case KIND_E4M3:
-        for (int d = 0; d < D; d += 16) {
-            __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r + d)));
-            __m256i h16 = _mm256_or_si256(
-                _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
-                _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7));
-            _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_cvtph_ps(h16), _mm512_set1_ps(256.0f)));
-        }
-        break;
-    case KIND_U4: /* low nibbles to out[0, half), high ones to out[half, D) */
-        for (int i = 0; i < half; i += 16) {
-            __m128i x = _mm_loadu_si128((const __m128i *)(r + i)), low = _mm_set1_epi8(15);
+        return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8));
+    default: { /* KIND_E4M3 */
+        __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+        __m256i h16 = _mm256_or_si256(
+            _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
+            _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7));
+        return _mm512_mul_ps(_mm512_cvtph_ps(h16), _mm512_set1_ps(256.0f));
+    }
+    }
+}
+
+/* nt rows of `kind` (row r at base + r * stride bytes) into tile rows, in vectors. */
+static inline __attribute__((always_inline)) void
+rows16(const char *base, size_t stride, int nt, const int kind, const int D, float *tile) {
+    size_t size = elem_size(kind);
+    for (int t = 0; t < nt; t++)
+        for (int d = 0; d < D; d += 16)
+            _mm512_store_ps(tile + t * D + d, load16(base + t * stride + d * size, kind));
+}
+
+/* nt int4 rows (row r at base + r * stride) into tile rows in load_raw's order (low nibbles,
+ * then high ones), per-token group scales applied when `scale` is given (gs: elements per
+ * group within each half; a multiple of 16). */
+static inline __attribute__((always_inline)) void
+rows16_u4(const uint8_t *base, size_t stride, int nt, const int D, const _Float16 *scale,
+          const _Float16 *zero, size_t scale_stride, int gs, float *tile) {
+    const __m128i low = _mm_set1_epi8(15);
+    for (int t = 0; t < nt; t++)
+        for (int i = 0; i < D / 2; i += 16) {
+            __m128i x = _mm_loadu_si128((const __m128i *)(base + t * stride + i));
             __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(x, low)));
-            __m512 hi = _mm512_cvtepi32_ps(
-                _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(x, 4), low)));
-            if (s->scale_mode == SCALE_TOKEN) { /* the group of elements i .. i + 15 */
-                size_t g = token * s->groups + i / gs;
-                __m512 sc = _mm512_set1_ps((float)s->scale[g]), z = _mm512_set1_ps((float)s->zero[g]);
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(x, 4), low)));
+            if (scale) {
+                size_t g = t * scale_stride + i / gs;
+                __m512 sc = _mm512_set1_ps((float)scale[g]), z = _mm512_set1_ps((float)zero[g]);
                 lo = _mm512_fmadd_ps(lo, sc, z);
                 hi = _mm512_fmadd_ps(hi, sc, z);
             }
-            _mm512_storeu_ps(out + i, lo);
-            _mm512_storeu_ps(out + half + i, hi);
+            _mm512_store_ps(tile + t * D + i, lo);
+            _mm512_store_ps(tile + t * D + D / 2 + i, hi);
         }
-        return 1.0f;
-    }
-    return s->scale_mode == SCALE_TOKEN ? (float)s->scale[token] : 1.0f;
 }
 
 /* Rows t0 .. t0 + nt of head h of block j (the staged own block when j == own) into
- * tile[TILE][D] in load_raw's order, rows past nt zero; each row's remaining scale in rsc. */
+ * tile[TILE][D] in load_raw's order, rows past nt zero; each row's remaining scale in rsc
+ * (per-token 8-bit scales; 1 otherwise). Pool rows of every format are converted in vectors
+ * with the format switch outside the row loop; the staged block and block scales that are not
+ * folded (per-block value scales) take load_row/load_staged. */
 static inline __attribute__((always_inline)) void
 load_tile(const kv_side *s, const int64_t *table, int j, int own, const void *own_data,
           int own_kind, int64_t slot, int t0, int nt, int h, int H, int bs, const int D,
           int folded, const float *bsc, const float *bz, float *tile, float *rsc) {
-    for (int t = 0; t < nt; t++) {
-        rsc[t] = 1.0f;
-        if (j == own) load_staged(s, own_data, own_kind, slot, t0 + t, h, H, bs, D, tile + t * D);
-        else rsc[t] = row(s, table[j], t0 + t, h, H, bs, D, folded, bsc, bz, tile + t * D);
+    int u4 = s->kind == KIND_U4, gs = u4 ? D / 2 / s->groups : 16;
+    size_t tok0 = j == own ? 0 : ((size_t)table[j] * bs + t0) * H + h;
+    size_t row_bytes = (size_t)s->width * elem_size(s->kind);
+    const char *base = (const char *)s->data + tok0 * row_bytes;
+    int token_scale = s->scale_mode == SCALE_TOKEN;
+    _mm512_store_ps(rsc, _mm512_maskz_mov_ps((__mmask16)((1u << nt) - 1), _mm512_set1_ps(1.0f)));
+    if (j == own || (s->scale_mode == SCALE_BLOCK && !folded) || (u4 && (D % 32 || gs % 16))) {
+        for (int t = 0; t < nt; t++) {
+            if (j == own) load_staged(s, own_data, own_kind, slot, t0 + t, h, H, bs, D, tile + t * D);
+            else rsc[t] = load_row(s, table[j], t0 + t, h, H, bs, D, folded, bsc, bz, tile + t * D);
+        }
+    } else if (u4) {
+        rows16_u4((const uint8_t *)base, H * row_bytes, nt, D, token_scale ? s->scale + tok0 * s->groups : NULL,
+                  token_scale ? s->zero + tok0 * s->groups : NULL, (size_t)H * s->groups, gs, tile);
+    } else {
+        switch (s->kind) { /* literal kinds: one unrolled row loop each */
+        case KIND_F32: rows16(base, H * row_bytes, nt, KIND_F32, D, tile); break;
+        case KIND_BF16: rows16(base, H * row_bytes, nt, KIND_BF16, D, tile); break;
+        case KIND_F16: rows16(base, H * row_bytes, nt, KIND_F16, D, tile); break;
+        case KIND_I8: rows16(base, H * row_bytes, nt, KIND_I8, D, tile); break;
+        case KIND_E4M3: rows16(base, H * row_bytes, nt, KIND_E4M3, D, tile); break;
+        case KIND_E5M2: rows16(base, H * row_bytes, nt, KIND_E5M2, D, tile); break;
+        }
+        if (token_scale)
+            for (int t = 0; t < nt; t++) rsc[t] = (float)s->scale[tok0 + (size_t)t * H];
     }
-    for (int t = nt; t < TILE; t++) {
-        rsc[t] = 0.0f;
-        memset(tile + t * D, 0, sizeof(float) * D);
-    }
+    for (int t = nt; t < TILE; t++) memset(tile + t * D, 0, sizeof(float) * D);
 }
 
 /* Scores of the G query heads qk[G * D] (bias[g] added) against a key tile, stored at

@@ -6,8 +6,10 @@
  * quantized on entry to int8 per group of 32 as well (one float scale a_d per group, and
  * a_s = a_d * sum(qa) for the min term, llama.cpp's Q8_1), so a group contributes
  *     d * a_d * (q . qa) + m * a_s
- * and q . qa is one VNNI instruction (vpdpbusd: unsigned weight bytes x signed activation
- * bytes) per 64 values. The input can be normalised (RMSNorm) or be [gate | up] to
+ * and q . qa is computed with VNNI (vpdpbusd: unsigned weight bytes x signed activation
+ * bytes) over W repacked at load time in tiles of 16 output rows (layout below), 16
+ * outputs per instruction. IN_FLOAT keeps the activations float instead (exact, slower
+ * here). The input can be normalised (RMSNorm) or be [gate | up] to
  * SiLU-multiply on the way in, and the result can be added to y (the residual): that is
  * what a decoder layer needs around each matmul, without a torch op in between.
  * Built by slimkv/kernels/build.py; without AVX512-VNNI a portable loop computes the same.
@@ -28,7 +30,7 @@
 #define QG_NATIVE 0
 #endif
 
-enum { IN_PLAIN = 0, IN_RMSNORM = 1, IN_SILU_MUL = 2, IN_PRECISE = 4 }; /* 4: OR'ed flag */
+enum { IN_PLAIN = 0, IN_RMSNORM = 1, IN_SILU_MUL = 2, IN_PRECISE = 4, IN_FLOAT = 8 }; /* 4, 8: OR'ed */
 #ifndef QG_MT
 #define QG_MT 4 /* activation rows per weight pass */
 #endif
@@ -45,8 +47,8 @@ int qgemm_native(void) { return QG_NATIVE; }
  * ~15-bit activations at the cost of a second dot product per weight load. */
 static void quantize_row(const float *x, int K, int mode, const float *norm_w, float eps,
                          float *tmp, int8_t *qa, float *ad, float *as) {
-    int precise = mode & IN_PRECISE;
-    mode &= ~IN_PRECISE;
+    int precise = mode & IN_PRECISE, flt = mode & IN_FLOAT;
+    mode &= ~(IN_PRECISE | IN_FLOAT);
     if (mode == IN_RMSNORM) {
         float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
@@ -59,6 +61,15 @@ static void quantize_row(const float *x, int K, int mode, const float *norm_w, f
         for (int k = 0; k < K; k++) tmp[k] = x[k] / (1.0f + expf(-x[k])) * x[K + k];
     } else {
         memmove(tmp, x, sizeof(float) * K);
+    }
+    if (flt) { /* IN_FLOAT: the row stays float (tmp), as holds its group sums */
+        for (int b = 0; b < K / 32; b++) {
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int i = 0; i < 32; i++) sum += tmp[b * 32 + i];
+            as[b] = sum;
+        }
+        return;
     }
     for (int b = 0; b < K / 32; b++) {
         const float *v = tmp + b * 32;
@@ -182,6 +193,87 @@ micro(const uint8_t *w, const int bits, int nb, int t0, const int NT, const int8
     default: micro(w, bits, nb, t, NT, qa, ad, as, K, r, 8 <= MT ? 8 : 1, y, N, acc); break; \
     }
 
+/* IN_FLOAT: the same tiles against float activations xf [R, K] (exact weight-only
+ * quantization): each chunk's codes widened to float per element position, one FMA with the
+ * broadcast activation per 16 outputs; a group's sum scaled by d, plus m * sum(x). */
+static inline __attribute__((always_inline)) void
+microf(const uint8_t *w, const int bits, int nb, int t0, const int NT, const float *xf,
+       const float *xs, int K, size_t r0, const int MR, float *y, int N, int accumulate) {
+    const int CB = code_bytes(bits), GB = group_bytes(bits);
+    const size_t tstride = (size_t)nb * GB;
+    const __m512i mask = _mm512_set1_epi32(bits == 4 ? 0x0F : 0xFF);
+    __m512 facc[MR][NT];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NT; j++) facc[i][j] = _mm512_setzero_ps();
+    const uint8_t *g0 = w + (size_t)t0 * tstride;
+    for (int b = 0; b < nb; b++) {
+        __m512 gacc[MR][NT];
+        for (int i = 0; i < MR; i++)
+            for (int j = 0; j < NT; j++) gacc[i][j] = _mm512_setzero_ps();
+        const uint8_t *g = g0 + (size_t)b * GB;
+        for (int c = 0; c < CB / 64; c++) {
+            __m512i raw[NT];
+            for (int j = 0; j < NT; j++) raw[j] = _mm512_loadu_si512(g + j * tstride + 64 * c);
+            for (int t = 0; t < (bits == 4 ? 8 : 4); t++) {
+                int shift = bits == 4 ? (t % 4) * 8 + (t / 4) * 4 : 8 * t;
+                int k = bits == 4 ? 4 * c + t % 4 + 16 * (t / 4) : 4 * c + t;
+                __m512 wf[NT];
+                for (int j = 0; j < NT; j++)
+                    wf[j] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(raw[j], shift), mask));
+                for (int i = 0; i < MR; i++) {
+                    __m512 xv = _mm512_set1_ps(xf[(r0 + i) * K + b * 32 + k]);
+                    for (int j = 0; j < NT; j++) gacc[i][j] = _mm512_fmadd_ps(wf[j], xv, gacc[i][j]);
+                }
+            }
+        }
+        for (int j = 0; j < NT; j++) {
+            const uint8_t *s = g + j * tstride + CB;
+            __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
+            __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 32)));
+            for (int i = 0; i < MR; i++) {
+                facc[i][j] = _mm512_fmadd_ps(gacc[i][j], dv, facc[i][j]);
+                facc[i][j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[(r0 + i) * nb + b]), facc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NT; j++) {
+            int n = (t0 + j) * 16;
+            __mmask16 k = N - n >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n)) - 1);
+            float *out = y + (r0 + i) * N + n;
+            __m512 v = facc[i][j];
+            if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, out));
+            _mm512_mask_storeu_ps(out, k, v);
+        }
+}
+
+#define MICROF(NT)                                                                          \
+    switch (mr) {                                                                           \
+    case 1: microf(w, bits, nb, t, NT, xf, as, K, r, 1, y, N, acc); break;                  \
+    case 2: microf(w, bits, nb, t, NT, xf, as, K, r, 2, y, N, acc); break;                  \
+    case 3: microf(w, bits, nb, t, NT, xf, as, K, r, 3, y, N, acc); break;                  \
+    default: microf(w, bits, nb, t, NT, xf, as, K, r, 4, y, N, acc); break;                 \
+    }
+
+static void tiles_native_f(const uint8_t *w, int bits, int K, int t0, int t1, const float *xf,
+                           const float *as, int R, float *y, int N, int acc) {
+    int nb = K / 32, wide = R <= 2 ? 4 : QG_WIDE;
+    for (int t = t0; t < t1;) {
+        int nt = t1 - t >= wide ? wide : 1;
+        for (int r = 0; r < R; r += 4) {
+            int mr = R - r < 4 ? R - r : 4;
+            if (nt == 4) {
+                MICROF(4)
+            } else if (nt == 2) {
+                MICROF(2)
+            } else {
+                MICROF(1)
+            }
+        }
+        t += nt;
+    }
+}
+
 /* Tiles [t0, t1) for all R rows: blocks of up to 4 tiles (2 where rows are blocked by 3-4)
  * stay in L1 across the row blocks. */
 static void tiles_native(const uint8_t *w, int bits, int K, int t0, int t1, const int8_t *qa,
@@ -221,17 +313,25 @@ static inline float scale_at(const uint8_t *g, int bits, int which, int r) {
 
 /* Tiles [t0, t1) for all R rows, one output at a time: the same values, any CPU. */
 static void tiles_portable(const uint8_t *w, int bits, int K, int t0, int t1, const int8_t *qa,
-                           const float *ad, const float *as, int R, float *y, int N, int acc) {
+                           const float *xf, const float *ad, const float *as, int R, float *y,
+                           int N, int acc) {
     int nb = K / 32, GB = group_bytes(bits);
     for (int n = t0 * 16; n < t1 * 16 && n < N; n++)
         for (int r = 0; r < R; r++) {
             float t = 0.0f;
             for (int b = 0; b < nb; b++) {
                 const uint8_t *g = w + ((size_t)(n / 16) * nb + b) * GB;
-                const int8_t *a = qa + (size_t)r * K + b * 32;
-                int dot = 0;
-                for (int k = 0; k < 32; k++) dot += code_at(g, bits, n % 16, k) * a[k];
-                t += (float)dot * (scale_at(g, bits, 0, n % 16) * ad[(size_t)r * nb + b]);
+                if (xf) { /* IN_FLOAT */
+                    float dot = 0.0f;
+                    for (int k = 0; k < 32; k++)
+                        dot += (float)code_at(g, bits, n % 16, k) * xf[(size_t)r * K + b * 32 + k];
+                    t += dot * scale_at(g, bits, 0, n % 16);
+                } else {
+                    const int8_t *a = qa + (size_t)r * K + b * 32;
+                    int dot = 0;
+                    for (int k = 0; k < 32; k++) dot += code_at(g, bits, n % 16, k) * a[k];
+                    t += (float)dot * (scale_at(g, bits, 0, n % 16) * ad[(size_t)r * nb + b]);
+                }
                 t += scale_at(g, bits, 1, n % 16) * as[(size_t)r * nb + b];
             }
             float *out = y + (size_t)r * N + n;
@@ -244,8 +344,10 @@ static void tiles_portable(const uint8_t *w, int bits, int K, int t0, int t1, co
  * be a multiple of 32. */
 void qgemm(const float *x, int M, int K, int x_stride, int mode, const float *norm_w, float eps,
            const uint8_t *w, int bits, int N, float *y, int accumulate) {
-    int nb = K / 32, rep = mode & IN_PRECISE ? 2 : 1, R = M * rep; /* R quantized rows */
+    int flt = mode & IN_FLOAT, nb = K / 32, rep = !flt && mode & IN_PRECISE ? 2 : 1;
+    int R = M * rep; /* R quantized rows */
     int8_t *qa = aligned_alloc(64, ((size_t)R * K + 63) / 64 * 64);
+    float *xf = flt ? malloc(sizeof(float) * (size_t)M * K) : NULL; /* IN_FLOAT rows */
     float *ad = malloc(sizeof(float) * (size_t)R * nb * 2), *as = ad + (size_t)R * nb;
     float *yt = rep == 1 ? y : malloc(sizeof(float) * (size_t)R * N);
     int ntiles = (N + 15) / 16, add = rep == 1 && accumulate;
@@ -254,7 +356,7 @@ void qgemm(const float *x, int M, int K, int x_stride, int mode, const float *no
         float *tmp = malloc(sizeof(float) * K);
 #pragma omp for schedule(static)
         for (int r = 0; r < M; r++)
-            quantize_row(x + (size_t)r * x_stride, K, mode, norm_w, eps, tmp,
+            quantize_row(x + (size_t)r * x_stride, K, mode, norm_w, eps, flt ? xf + (size_t)r * K : tmp,
                          qa + (size_t)r * rep * K, ad + (size_t)r * rep * nb,
                          as + (size_t)r * rep * nb);
         free(tmp);
@@ -268,19 +370,26 @@ void qgemm(const float *x, int M, int K, int x_stride, int mode, const float *no
         t1 = t1 < ntiles ? t1 : ntiles;
         if (t0 < t1) {
 #if QG_NATIVE
-            tiles_native(w, bits, K, t0, t1, qa, ad, as, R, yt, N, add);
+            if (flt)
+                tiles_native_f(w, bits, K, t0, t1, xf, as, R, yt, N, add);
+            else
+                tiles_native(w, bits, K, t0, t1, qa, ad, as, R, yt, N, add);
 #else
-            tiles_portable(w, bits, K, t0, t1, qa, ad, as, R, yt, N, add);
+            tiles_portable(w, bits, K, t0, t1, qa, xf, ad, as, R, yt, N, add);
 #endif
         }
     }
     if (rep == 2) /* a row plus its residual row */
-        for (size_t i = 0; i < (size_t)M * N; i++)
-            y[i] = (accumulate ? y[i] : 0.0f) + yt[i / N * 2 * N + i % N] +
-                   yt[(i / N * 2 + 1) * N + i % N];
+        for (int r = 0; r < M; r++) {
+            float *o = y + (size_t)r * N;
+            const float *a = yt + (size_t)r * 2 * N, *b = a + N;
+#pragma omp simd
+            for (int n = 0; n < N; n++) o[n] = (accumulate ? o[n] : 0.0f) + a[n] + b[n];
+        }
     if (yt != y) free(yt);
     free(qa);
     free(ad);
+    free(xf);
 }
 
 static inline void store_row(const float *v, void *out, size_t at, int out_bf16) {

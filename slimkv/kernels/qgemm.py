@@ -20,6 +20,7 @@ from slimkv.kernels import build
 SOURCE = Path(__file__).with_name("qgemm.c")
 PLAIN, RMSNORM, SILU_MUL = 0, 1, 2  # what the kernel does to x on the way in
 PRECISE = 4  # OR'ed into a mode: the int8 rounding residual is a second int8 row (~15 bits)
+FLOAT = 8  # OR'ed into a mode: float activations (exact weight-only quantization), no int8
 
 
 TILE = 16  # output rows per tile of the repacked layout
@@ -86,7 +87,7 @@ class QGemm:
         y = torch.empty(rows, n, dtype=torch.float32) if out is None else out
         self._fn(x.data_ptr(), rows, width // 2 if mode & 3 == SILU_MUL else width, width, mode,
                  None if norm_weight is None else norm_weight.data_ptr(), eps,
-                 packed.data_ptr(), packed_bits(packed), n, y.data_ptr(), out is not None)
+                 packed.data_ptr(), (packed.shape[2] >> 6) - 1, n, y.data_ptr(), out is not None)
         return y
 
     def dequantize(self, packed: Tensor, n: int, dtype: torch.dtype) -> Tensor:

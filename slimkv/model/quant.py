@@ -119,7 +119,11 @@ class QuantLinear(nn.Module):
     # dequantize + bf16 GEMM 115-130 ms from 24 to 96 rows: the kernel up to 64 rows.
     kernel_rows = 64
     # PRECISE activations (int8 + int8 residual) in the kernel: perplexity +0.002% instead of
-    # +0.6% vs float activations, but a step costs 1.2x at 1 row and 2x at 4+ rows: off.
+    # +0.6% vs float activations. Repacked kernel, one step's matmuls at 1 / 8 / 16 rows
+    # (under the lock, not fully quiet): int8 5.0-5.7 / 12-14 / 18-22 ms, PRECISE 6.2-6.5 /
+    # 22-25 / 36-44 ms, float activations (FLOAT, exact) 9.1-9.7 / 35-38 / 58-67 ms; engine
+    # single stream 9.9-10.6 vs 10.2 ms/step, parallel8 20.8 vs 30.9 ms/step: off by default
+    # (it costs batched throughput), the accuracy/speed trade is the caller's.
     precise = False
 
     def __init__(self, weight: QuantTensor, dtype: torch.dtype, bias: Tensor | None = None) -> None:
@@ -148,10 +152,10 @@ class QuantLinear(nn.Module):
                 self.packed, self.out_features, self.dtype)).float()
             y = y if out is None else out.add_(y)
         else:
-            weight = None if norm is None else norm.weight.float()
-            mode |= PRECISE if self.precise else 0
-            y = self.kernel(x.float(), self.packed, self.out_features, mode=mode,
-                            norm_weight=weight, eps=0.0 if norm is None else norm.eps, out=out)
+            weight = None if norm is None else _float32(norm.weight)
+            y = self.kernel(_float32(x), self.packed, self.out_features,
+                            mode=mode | PRECISE if self.precise else mode, norm_weight=weight,
+                            eps=0.0 if norm is None else norm.eps, out=out)
         if self.bias is not None:
             y += self.bias
         return y
@@ -159,6 +163,11 @@ class QuantLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         return self.fused(x.reshape(-1, shape[-1])).view(*shape[:-1], -1).to(x.dtype)
+
+
+def _float32(t: Tensor) -> Tensor:
+    """``t`` itself when it is float32 already (``.float()`` costs ~0.4 us a call)."""
+    return t if t.dtype == torch.float32 else t.float()
 
 
 def _prepare(x: Tensor, mode: int, norm: nn.Module | None) -> Tensor:
