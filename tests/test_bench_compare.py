@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from slimkv.bench.compare import (TARGETS, batched, decode_rate, decode_steps, engine_for,
-                                  prefill_rate, ratios, verdicts)
+                                  median_of, prefill_rate, ratios, verdicts)
 from slimkv.bench.peers import Peers
 from tests.conftest import small_config
 
@@ -63,5 +63,19 @@ def test_workloads_run_on_the_engine_and_leave_the_pool_free() -> None:
     steps = decode_steps(engine, [2, 4], context=40, steps=2)
     assert set(steps) == {"b2", "b4"} and all(ms > 0 for ms in steps.values())
     assert decode_rate(engine, 2, 8, 4) > 0 and prefill_rate(engine, 30) > 0
+    hits = engine.stats().prefix_hits
+    assert prefill_rate(engine, 40, seed=1) > 0 and prefill_rate(engine, 40, seed=2) > 0
+    assert engine.stats().prefix_hits == hits  # a repetition's prompt is new, not a prefix hit
     assert not engine.has_unfinished() and engine.pool.num_free_blocks == total
     assert engine.stats().attention_paths["fused_decode"] > 0
+
+
+def test_median_of_repetitions_passes_the_repetition_index() -> None:
+    seen: list[int] = []
+
+    def measure(rep: int) -> float:
+        seen.append(rep)
+        return [5.0, 1.0, 3.0][rep]
+
+    assert median_of(3, measure) == 3.0 and seen == [0, 1, 2]
+    assert median_of(2, lambda rep: [1.0, 2.0][rep]) == 1.5

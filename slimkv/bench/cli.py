@@ -42,7 +42,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-dtype", default=None,
                    help="pin slimkv's model dtype (default: the config's, `auto`; a pinned "
                         "dtype also keeps unquantized weights)")
-    p.add_argument("--reps", type=int, default=3, help="llama.cpp repetitions per measurement")
+    p.add_argument("--reps", type=int, default=3, help="repetitions per measurement compared with llama.cpp (the median, on both sides)")
     p.add_argument("--no-peers", action="store_true", help="measure slimkv only")
     p.add_argument("--peer-scripts", type=Path, help="the peers' drivers (../shared/peers)")
     p.add_argument("--peer-envs", type=Path, help="their venvs (~/.cache/slimkv-peers)")

@@ -11,7 +11,9 @@ same). slimkv runs in this process; peers run in their own venvs (:mod:`slimkv.b
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from slimkv.bench.engine import machine_info
@@ -110,17 +112,23 @@ def decode_rate(engine: LLMEngine, num_seqs: int, prompt_len: int, new_tokens: i
     return round(num_seqs * new_tokens / (time.perf_counter() - start), 2)
 
 
-def prefill_rate(engine: LLMEngine, length: int) -> float:
+def prefill_rate(engine: LLMEngine, length: int, seed: int = 0) -> float:
     start = time.perf_counter()
-    engine.add_request(random_prompt(length, engine.model_args.vocab_size, seed=length),
+    engine.add_request(random_prompt(length, engine.model_args.vocab_size, seed=length + seed),
                        greedy(1))
     run_until_done(engine)
     return round(length / (time.perf_counter() - start), 2)
 
 
+def median_of(reps: int, measure: Callable[[int], float]) -> float:
+    """The median of ``reps`` measurements (``measure(rep)``), as llama.cpp's rows are."""
+    return round(statistics.median(measure(rep) for rep in range(reps)), 2)
+
+
 def bench_slimkv(config: Config, kv_dtypes: list[str], context: int, steps: int,
-                 progress: bool = True) -> dict[str, Any]:
-    """Every workload for each KV dtype, one engine per dtype."""
+                 progress: bool = True, reps: int = 1) -> dict[str, Any]:
+    """Every workload for each KV dtype, one engine per dtype; the rows compared with
+    llama.cpp are the median of ``reps`` runs (fresh prompts for prefill: no prefix hit)."""
     out: dict[str, Any] = {}
     for kv in kv_dtypes:
         budget = decode_budget(config.scheduler.max_num_batched_tokens, BATCHES, context, steps)
@@ -128,11 +136,13 @@ def bench_slimkv(config: Config, kv_dtypes: list[str], context: int, steps: int,
         prefill_rate(engine, 16)  # warm-up: kernels built, allocator primed
         row = {"batched_16x512_64": batched(engine, 16, 512, 64),
                "decode_step_ms_ctx2048": decode_steps(engine, BATCHES, context, steps),
-               "parallel8_tok_s": decode_rate(engine, 8, 16, 128),
-               "decode_d16_tok_s": decode_rate(engine, 1, 16, 128),
-               "decode_d2048_tok_s": decode_rate(engine, 1, 2048, 128),
-               "prefill_512_tok_s": prefill_rate(engine, 512),
-               "prefill_2048_tok_s": prefill_rate(engine, 2048),
+               "parallel8_tok_s": median_of(reps, lambda r: decode_rate(engine, 8, 16, 128)),
+               "decode_d16_tok_s": median_of(reps, lambda r: decode_rate(engine, 1, 16, 128)),
+               "decode_d2048_tok_s": median_of(reps,
+                                               lambda r: decode_rate(engine, 1, 2048, 128)),
+               "prefill_512_tok_s": median_of(reps, lambda r: prefill_rate(engine, 512, 7919 * r)),
+               "prefill_2048_tok_s": median_of(reps,
+                                               lambda r: prefill_rate(engine, 2048, 7919 * r)),
                "decode_path": dict(engine.stats().attention_paths),
                "weights": engine.runner.weights_class, "model_dtype": str(engine.runner.dtype)}
         if progress:
@@ -192,7 +202,7 @@ def verdicts(values: dict[str, float | None]) -> dict[str, str]:
 
 def bench_compare(config: Config, kv_dtypes: list[str], peers: Peers | None, reps: int,
                   context: int = 2048, steps: int = 16) -> dict[str, Any]:
-    slim = bench_slimkv(config, kv_dtypes, context, steps)
+    slim = bench_slimkv(config, kv_dtypes, context, steps, reps=reps)
     vllm: dict[str, Any] = {}
     llama: dict[str, Any] = {}
     if peers is not None:
