@@ -112,6 +112,15 @@ static inline __m512i bcast4(const int8_t *a) {
     return _mm512_set1_epi32(v);
 }
 
+/* Tile (row r, outputs n..n+15) of y: stored, or added to what is there; masked past N. */
+static inline __attribute__((always_inline)) void
+store_tile(float *y, size_t r, int N, int n, __m512 v, int accumulate) {
+    __mmask16 k = N - n >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n)) - 1);
+    float *out = y + r * N + n;
+    if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, out));
+    _mm512_mask_storeu_ps(out, k, v);
+}
+
 /* Activation rows [r0, r0 + MR) x tiles [t0, t0 + NT): MR * NT accumulators of 16 outputs,
  * each chunk of weights loaded (and its nibbles split) once for all MR rows. */
 static inline __attribute__((always_inline)) void
@@ -171,14 +180,7 @@ micro(const uint8_t *w, const int bits, int nb, int t0, const int NT, const int8
         }
     }
     for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NT; j++) {
-            int n = (t0 + j) * 16;
-            __mmask16 k = N - n >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n)) - 1);
-            float *out = y + (r0 + i) * N + n;
-            __m512 v = facc[i][j];
-            if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, out));
-            _mm512_mask_storeu_ps(out, k, v);
-        }
+        for (int j = 0; j < NT; j++) store_tile(y, r0 + i, N, (t0 + j) * 16, facc[i][j], accumulate);
 }
 
 #define MICRO(NT)                                                                           \
@@ -237,14 +239,7 @@ microf(const uint8_t *w, const int bits, int nb, int t0, const int NT, const flo
         }
     }
     for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NT; j++) {
-            int n = (t0 + j) * 16;
-            __mmask16 k = N - n >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n)) - 1);
-            float *out = y + (r0 + i) * N + n;
-            __m512 v = facc[i][j];
-            if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, out));
-            _mm512_mask_storeu_ps(out, k, v);
-        }
+        for (int j = 0; j < NT; j++) store_tile(y, r0 + i, N, (t0 + j) * 16, facc[i][j], accumulate);
 }
 
 #define MICROF(NT)                                                                          \
