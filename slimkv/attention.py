@@ -169,7 +169,7 @@ class PagedAttention:
         """``q [T, num_heads, D]``, ``k, v [T, H_kv, D]`` (any float dtype, taken as rounded
         to ``dtype``) -> ``[T, num_heads, D]`` in ``dtype``."""
         plan = meta.decode
-        if plan is not None and plan.whole and self._stage and not self.kernel_unavailable:
+        if self.can_lean(plan):
             return self._lean_decode(layer, q, k, v, plan)
         q, k, v = (x.to(self.dtype) for x in (q, k, v))
         self._write(layer, k, v, meta)
@@ -233,6 +233,25 @@ class PagedAttention:
         return self._kernel(q, plan.block_tables, plan.seq_lens, k_side, v_side,
                             self.cache.num_kv_heads, self.cache.block_size, self.scale,
                             (stage_k, stage_v, slots)).to(self.dtype)
+
+    def can_lean(self, plan: DecodePlan | None) -> bool:
+        """Whether the step (``meta.decode``) is decodes only and takes the lean decode."""
+        return plan is not None and plan.whole and self._stage is not None and \
+            not self.kernel_unavailable
+
+    def lean_layer(self, layer: int) -> tuple[Tensor, Tensor, KVSide, KVSide]:
+        """A layer's staging K, V and pool sides, for the one-call decode step
+        (slimkv.kernels.step), which does what :meth:`_lean_decode` does in every layer."""
+        return (*self.staging.layer_buffers(layer), *self._layer_sides(layer))
+
+    def after_lean_step(self, plan: DecodePlan, num_layers: int) -> None:
+        """After that step: filled blocks into the pool (its kernel read them from the
+        staging slots), the path counted for every layer."""
+        for layer in range(num_layers):
+            self._count(layer, "fused_decode")
+            if plan.filled is not None:
+                self.staging.store_filled(layer, plan.staging_slots, plan.last_block_id,
+                                          plan.filled)
 
     def _fused_decode(self, layer: int, q: Tensor, plan: DecodePlan, out: Tensor) -> None:
         buffers = None if self.staging is None else self.staging.layer_buffers(layer)

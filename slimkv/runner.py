@@ -16,6 +16,7 @@ import torch
 from slimkv.attention import AttentionMetadata, PagedAttention
 from slimkv.config import Config, ConfigError
 from slimkv.kernels.qgemm import qgemm_native, qgemm_unavailable_reason
+from slimkv.kernels.step import LeanStep
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
 from slimkv.memory import activation_peak, weight_bytes
@@ -128,6 +129,7 @@ class ModelRunner:
             num_logit_rows=kv.max_concurrency_soft, max_len=self.max_model_len,
             layer_dtypes=kv.layer_dtypes)
         self.sampler = Sampler(processors(self) if processors else [])
+        self.lean_step = LeanStep(self.model, self.attention)  # a decode step in one C call
 
     def _num_blocks(self, shape: dict) -> int:
         """``kv_cache.num_blocks``, or what ``memory_gb`` holds once staging is set aside."""
@@ -192,7 +194,8 @@ class ModelRunner:
         dev = self.device
         return self.model(torch.tensor(ids, dtype=torch.long, device=dev),
                           torch.tensor(positions, dtype=torch.long, device=dev),
-                          lambda layer, q, k, v: self.attention(layer, q, k, v, meta))
+                          lambda layer, q, k, v: self.attention(layer, q, k, v, meta),
+                          self.lean_step.bind(meta))
 
     def _prepare(self, scheduled: list[tuple[Sequence, int]]
                  ) -> tuple[AttentionMetadata, list[int], list[Sequence]]:

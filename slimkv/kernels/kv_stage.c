@@ -57,3 +57,10 @@ void stage_decode(const float *q, int64_t q_stride, const float *k, int64_t k_st
         store(stage_v, row, v + t * v_stride, H * D, stage_kind);
     }
 }
+
+/* x[0 .. n) rounded in place to the model dtype (q_kind above), as float32: what
+ * `.to(dtype)` then `.float()` does to the attention's output. */
+void round_rows(float *x, int64_t n, int kind) {
+    if (kind != KIND_F32)
+        for (int64_t i = 0; i < n; i++) x[i] = rounded(x[i], kind);
+}

@@ -36,6 +36,12 @@ class QuantBlock(nn.Module):
                                    self.attention_norm, self.ffn_norm, a.layer_idx, a.head_dim,
                                    a.num_heads, a.num_heads + a.num_kv_heads)
 
+    @property
+    def parts(self) -> tuple:
+        """(wqkv, wo, w13, w2, attention_norm, ffn_norm, layer index, head_dim, q heads,
+        q + kv heads): what the one-call decode step (slimkv.kernels.step) reads."""
+        return self._parts
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionFn) -> Tensor:
         """``x [T, hidden]`` float32, updated in place and returned; ``cos``, ``sin``
         float32 ``[T, 1, head_dim]`` (the model's tables are float32 once quantized)."""

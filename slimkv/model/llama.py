@@ -198,12 +198,18 @@ class Transformer(nn.Module):
         model.rope_cos, model.rope_sin = cos.to(device, dtype), sin.to(device, dtype)
         return model
 
-    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionFn) -> Tensor:
-        """Hidden states [T, hidden] after the final norm for a flat batch of T tokens."""
-        cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionFn,
+                layers: Callable[[Tensor, Tensor], None] | None = None) -> Tensor:
+        """Hidden states [T, hidden] after the final norm for a flat batch of T tokens.
+        ``layers(x, positions)``, when given, runs every layer on ``x`` in place instead
+        (the one-call decode step of slimkv.kernels.step)."""
         x = self.tok_embeddings(input_ids)
         if self.residual_dtype is not None:
             x = x.to(self.residual_dtype)
+        if layers is not None:
+            layers(x, positions)
+            return self.norm(x)
+        cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
         return self.norm(x)

@@ -1,0 +1,98 @@
+/* Every layer of a decode step in one call: the lean layer of slimkv/model/lean.py and the
+ * lean decode attention of slimkv/attention.py (`_lean_decode`), op for op, without a
+ * return to Python in between.
+ *
+ * The kernels are the package's own, reached through function pointers that Python takes
+ * from their libraries (qgemm.c: qgemm, rope_inplace; kv_stage.c: stage_decode,
+ * round_rows; paged_decode.c: paged_decode), so this file computes nothing itself and a
+ * change inside one of them flows in. Per layer, on the residual x [T, hidden] float32:
+ *   qkv  = qgemm(RMSNorm(x)) (+ bias); RoPE on the q and k heads of each row
+ *   stage K/V into the staging slots, Q rounded to the model dtype; paged decode attention;
+ *   its output rounded to the model dtype (the attention returns that dtype)
+ *   x   += qgemm(out) (+ bias)
+ *   gu   = qgemm(RMSNorm(x)) (+ bias);  x += qgemm(SiLU(gate) * up) (+ bias)
+ * Blocks that a token fills go into the pool afterwards, in Python (the kernel reads each
+ * sequence's own block from its staging slot, never from the pool).
+ */
+#include <stdint.h>
+
+typedef void (*qgemm_fn)(const float *x, int M, int K, int x_stride, int mode,
+                         const float *norm_w, float eps, const void *w, int bits, int N,
+                         float *y, int accumulate);
+typedef void (*rope_fn)(float *x, int T, int stride, int heads, int D, const float *cos,
+                        const float *sin);
+typedef void (*stage_fn)(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
+                         const float *v, int64_t v_stride, int T, int Hq, int H, int D,
+                         int q_kind, float *q_out, void *stage_k, void *stage_v,
+                         int stage_kind, int bs, const int64_t *slots, const int64_t *offsets);
+typedef void (*decode_fn)(const float *q, float *out, int B, int Hq, int H, int D, int bs,
+                          const int64_t *block_tables, int max_blocks, const int64_t *seq_lens,
+                          const void *k, const void *v, const void *own_k, const void *own_v,
+                          int own_kind, const int64_t *own_slots, float sm_scale);
+typedef void (*round_fn)(float *x, int64_t n, int kind);
+
+/* One quantized projection: packed weight, bits, output rows, kernel mode, optional bias. */
+typedef struct {
+    const void *w;
+    const float *bias;
+    int32_t bits, n, mode;
+} linear;
+
+typedef struct {
+    linear qkv, o, gate_up, down;
+    const float *attn_norm, *ffn_norm;
+    float attn_eps, ffn_eps;
+    void *stage_k, *stage_v;     /* the layer's staging [slots, bs, H, D] */
+    const void *k_side, *v_side; /* paged_decode's kv_side of the layer's pool */
+} layer;
+
+typedef struct {
+    qgemm_fn qgemm;
+    rope_fn rope;
+    stage_fn stage;
+    decode_fn decode;
+    round_fn round_to;
+    int32_t T, hidden, hq, hkv, head_dim, dtype_kind, stage_kind, block_size, max_blocks;
+    float scale;
+    const float *cos, *sin;      /* RoPE tables [positions, head_dim] */
+    const int64_t *positions, *slots, *offsets, *block_tables, *seq_lens;
+    float *qkv, *q, *attn, *gate_up; /* buffers [T, qkv n], [T, hq * D] x 2, [T, gate_up n] */
+} step;
+
+static void add_bias(float *y, int T, const linear *l) {
+    if (l->bias)
+        for (int r = 0; r < T; r++)
+            for (int n = 0; n < l->n; n++) y[(int64_t)r * l->n + n] += l->bias[n];
+}
+
+static void run_layer(const step *s, const layer *l, float *x) {
+    int T = s->T, D = s->head_dim, H = s->hidden, width = s->hq * D, qkv_n = l->qkv.n;
+    s->qgemm(x, T, H, H, l->qkv.mode, l->attn_norm, l->attn_eps, l->qkv.w, l->qkv.bits, qkv_n,
+             s->qkv, 0);
+    add_bias(s->qkv, T, &l->qkv);
+    for (int t = 0; t < T; t++) {
+        const int64_t at = s->positions[t] * D;
+        s->rope(s->qkv + (int64_t)t * qkv_n, 1, qkv_n, s->hq + s->hkv, D, s->cos + at,
+                s->sin + at);
+    }
+    const float *k = s->qkv + width, *v = k + s->hkv * D;
+    s->stage(s->qkv, qkv_n, k, qkv_n, v, qkv_n, T, s->hq, s->hkv, D, s->dtype_kind, s->q,
+             l->stage_k, l->stage_v, s->stage_kind, s->block_size, s->slots, s->offsets);
+    s->decode(s->q, s->attn, T, s->hq, s->hkv, D, s->block_size, s->block_tables, s->max_blocks,
+              s->seq_lens, l->k_side, l->v_side, l->stage_k, l->stage_v, s->stage_kind,
+              s->slots, s->scale);
+    s->round_to(s->attn, (int64_t)T * width, s->dtype_kind);
+    s->qgemm(s->attn, T, width, width, l->o.mode, 0, 0.0f, l->o.w, l->o.bits, H, x, 1);
+    add_bias(x, T, &l->o);
+    s->qgemm(x, T, H, H, l->gate_up.mode, l->ffn_norm, l->ffn_eps, l->gate_up.w,
+             l->gate_up.bits, l->gate_up.n, s->gate_up, 0);
+    add_bias(s->gate_up, T, &l->gate_up);
+    s->qgemm(s->gate_up, T, l->gate_up.n / 2, l->gate_up.n, l->down.mode, 0, 0.0f, l->down.w,
+             l->down.bits, H, x, 1);
+    add_bias(x, T, &l->down);
+}
+
+/* x [T, hidden] float32, updated in place by layers[0 .. num_layers). */
+void decode_step(const step *s, const layer *layers, int num_layers, float *x) {
+    for (int i = 0; i < num_layers; i++) run_layer(s, layers + i, x);
+}
