@@ -244,14 +244,12 @@ class PagedAttention:
         (slimkv.kernels.step), which does what :meth:`_lean_decode` does in every layer."""
         return (*self.staging.layer_buffers(layer), *self._layer_sides(layer))
 
-    def after_lean_step(self, plan: DecodePlan, num_layers: int) -> None:
+    def after_lean_step(self, plan: DecodePlan) -> None:
         """After that step: filled blocks into the pool (its kernel read them from the
         staging slots), the path counted for every layer."""
-        for layer in range(num_layers):
+        for layer in range(self.cache.num_layers):
             self._count(layer, "fused_decode")
-            if plan.filled is not None:
-                self.staging.store_filled(layer, plan.staging_slots, plan.last_block_id,
-                                          plan.filled)
+        self.staging.store_filled_all_layers(plan.staging_slots, plan.last_block_id, plan.filled)
 
     def _fused_decode(self, layer: int, q: Tensor, plan: DecodePlan, out: Tensor) -> None:
         buffers = None if self.staging is None else self.staging.layer_buffers(layer)

@@ -76,6 +76,21 @@ def test_mixed_cache_round_trips_each_layer_through_its_codec() -> None:
     assert torch.equal(cache.read(3, blocks, torch.float32)[0], k)  # float32 layer exact
 
 
+@pytest.mark.parametrize("layer_dtypes", [None, {"int4": [1], "float32": [3]}])
+def test_writing_every_layer_at_once_stores_what_layer_by_layer_writes_store(layer_dtypes):
+    shape = dict(num_layers=4, num_blocks=5, block_size=4, num_kv_heads=2, head_dim=64,
+                 k_dtype="int8", v_dtype="int8", device=torch.device("cpu"),
+                 k_scale="per_channel_block", layer_dtypes=layer_dtypes)
+    at_once, by_layer = PagedKVCache(**shape), PagedKVCache(**shape)
+    k, v = torch.randn(2, 4, 2, 4, 2, 64).unbind(0)  # [layers, n, block_size, H, D]
+    ids = torch.tensor([3, 1])
+    at_once.write_blocks_all_layers(ids, k, v)
+    for layer in range(4):
+        by_layer.write_blocks(layer, ids, k[layer], v[layer])
+    for name, t in by_layer.tensors().items():
+        assert torch.equal(at_once.tensors()[name], t), name
+
+
 def test_staged_when_any_layer_has_block_scales() -> None:
     cache = PagedKVCache(num_layers=2, num_blocks=3, block_size=4, num_kv_heads=1, head_dim=64,
                          k_dtype="float32", v_dtype="float32", device=torch.device("cpu"),

@@ -3,9 +3,11 @@
  * return to Python in between.
  *
  * The kernels are the package's own, reached through function pointers that Python takes
- * from their libraries (qgemm.c: qgemm, rope_inplace; kv_stage.c: stage_decode,
+ * from their libraries (qgemm.c: qgemm, rope_inplace, qdequant; kv_stage.c: stage_decode,
  * round_rows; paged_decode.c: paged_decode), so this file computes nothing itself and a
- * change inside one of them flows in. Per layer, on the residual x [T, hidden] float32:
+ * change inside one of them flows in. The residual x [T, hidden] float32 starts as the
+ * tokens' rows of a quantized embedding table (dequantized a 16-row tile at a time), or as
+ * the caller's x; then per layer:
  *   qkv  = qgemm(RMSNorm(x)) (+ bias); RoPE on the q and k heads of each row
  *   stage K/V into the staging slots, Q rounded to the model dtype; paged decode attention;
  *   its output rounded to the model dtype (the attention returns that dtype)
@@ -15,6 +17,7 @@
  * sequence's own block from its staging slot, never from the pool).
  */
 #include <stdint.h>
+#include <string.h>
 
 typedef void (*qgemm_fn)(const float *x, int M, int K, int x_stride, int mode,
                          const float *norm_w, float eps, const void *w, int bits, int N,
@@ -30,6 +33,7 @@ typedef void (*decode_fn)(const float *q, float *out, int B, int Hq, int H, int 
                           const void *k, const void *v, const void *own_k, const void *own_v,
                           int own_kind, const int64_t *own_slots, float sm_scale);
 typedef void (*round_fn)(float *x, int64_t n, int kind);
+typedef void (*dequant_fn)(const void *w, int bits, int N, int K, void *out, int out_bf16);
 
 /* One quantized projection: packed weight, bits, output rows, kernel mode, optional bias. */
 typedef struct {
@@ -52,11 +56,17 @@ typedef struct {
     stage_fn stage;
     decode_fn decode;
     round_fn round_to;
-    int32_t T, hidden, hq, hkv, head_dim, dtype_kind, stage_kind, block_size, max_blocks;
+    dequant_fn dequant;
+    const uint8_t *embed;        /* packed embedding table, or NULL: x is given */
+    int64_t embed_tile_bytes;
+    int32_t embed_bits, T, hidden, hq, hkv, head_dim, dtype_kind, stage_kind, block_size,
+        max_blocks;
     float scale;
     const float *cos, *sin;      /* RoPE tables [positions, head_dim] */
     const int64_t *positions, *slots, *offsets, *block_tables, *seq_lens;
+    const int64_t *ids;          /* the tokens (with embed) */
     float *qkv, *q, *attn, *gate_up; /* buffers [T, qkv n], [T, hq * D] x 2, [T, gate_up n] */
+    float *tile;                 /* [16, hidden] (with embed) */
 } step;
 
 static void add_bias(float *y, int T, const linear *l) {
@@ -92,7 +102,14 @@ static void run_layer(const step *s, const layer *l, float *x) {
     add_bias(x, T, &l->down);
 }
 
-/* x [T, hidden] float32, updated in place by layers[0 .. num_layers). */
+/* x [T, hidden] float32: the tokens' embeddings (with s->embed) or given, then updated in
+ * place by layers[0 .. num_layers). */
 void decode_step(const step *s, const layer *layers, int num_layers, float *x) {
+    for (int t = 0; s->embed && t < s->T; t++) {
+        s->dequant(s->embed + s->ids[t] / 16 * s->embed_tile_bytes, s->embed_bits, 16,
+                   s->hidden, s->tile, 0);
+        memcpy(x + (int64_t)t * s->hidden, s->tile + s->ids[t] % 16 * s->hidden,
+               sizeof(float) * s->hidden);
+    }
     for (int i = 0; i < num_layers; i++) run_layer(s, layers + i, x);
 }

@@ -11,6 +11,7 @@ kernel's, a model or cache outside the lean path, a kernel that cannot be built)
 from __future__ import annotations
 
 import ctypes
+import operator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,9 +22,11 @@ from slimkv.kernels import SOURCE as DECODE_SOURCE
 from slimkv.kernels import build, qgemm, stage
 from slimkv.kernels.qgemm import PRECISE, RMSNORM, SILU_MUL
 from slimkv.model.lean import QuantBlock
+from slimkv.model.quant import QuantEmbedding
 
 SOURCE = Path(__file__).with_name("decode_step.c")
 ptr, i32 = ctypes.c_void_p, ctypes.c_int32
+_PRECISE = operator.attrgetter("precise")
 
 
 class Linear(ctypes.Structure):
@@ -38,13 +41,16 @@ class Layer(ctypes.Structure):
 
 
 class Step(ctypes.Structure):
-    _fields_ = [*((name, ptr) for name in ("qgemm", "rope", "stage", "decode", "round_to")),
-                *((name, i32) for name in ("T", "hidden", "hq", "hkv", "head_dim", "dtype_kind",
-                                           "stage_kind", "block_size", "max_blocks")),
+    _fields_ = [*((name, ptr) for name in ("qgemm", "rope", "stage", "decode", "round_to",
+                                           "dequant", "embed")),
+                ("embed_tile_bytes", ctypes.c_int64),
+                *((name, i32) for name in ("embed_bits", "T", "hidden", "hq", "hkv", "head_dim",
+                                           "dtype_kind", "stage_kind", "block_size",
+                                           "max_blocks")),
                 ("scale", ctypes.c_float),
                 *((name, ptr) for name in ("cos", "sin", "positions", "slots", "offsets",
-                                           "block_tables", "seq_lens", "qkv", "q", "attn",
-                                           "gate_up"))]
+                                           "block_tables", "seq_lens", "ids", "qkv", "q", "attn",
+                                           "gate_up", "tile"))]
 
 
 def _functions() -> tuple[dict[str, int], Any] | None:
@@ -55,7 +61,7 @@ def _functions() -> tuple[dict[str, int], Any] | None:
         return None
     q, st, dec, lib = libs
     fns = dict(qgemm=q.qgemm, rope=q.rope_inplace, stage=st.stage_decode, decode=dec.paged_decode,
-               round_to=st.round_rows)
+               round_to=st.round_rows, dequant=q.qdequant)
     call = lib.decode_step
     call.argtypes, call.restype = [ptr, ptr, ctypes.c_int, ptr], None
     return {name: ctypes.cast(fn, ptr).value for name, fn in fns.items()}, call
@@ -68,7 +74,8 @@ def _linear(lin: Any, mode: int) -> Linear:
 
 
 class LeanStep:
-    """All layers of a decode step in one call where it can run; see the module doc.
+    """The embedding and all layers of a decode step in one call where it can run; see the
+    module doc.
 
     ``attention`` is the model's :class:`~slimkv.attention.PagedAttention` (its
     ``can_lean``, ``lean_layer`` and ``after_lean_step``); ``enabled`` = False keeps the
@@ -86,28 +93,31 @@ class LeanStep:
         self._keep: list = []  # what the layer table points into
         self._precise: tuple[bool, ...] | None = None
         self._layers: ctypes.Array | None = None
+        self._step: Step | None = None
         self._buffers: list[Tensor] = []
 
     @property
     def available(self) -> bool:
         return self._fns is not None
 
-    def bind(self, meta: Any) -> Callable[[Tensor, Tensor], None] | None:
-        """The step's layers as one call ``(x, positions)`` for ``meta``, or None when the
-        per-op path must run them."""
+    def bind(self, meta: Any) -> Callable[[Tensor, Tensor], Tensor] | None:
+        """The step's embedding and layers as one call ``(input_ids, positions) -> x``
+        (the residual after the last layer) for ``meta``, or None when the per-op path
+        must run them."""
         plan = meta.decode
         if not (self.enabled and self._fns and self.attention.can_lean(plan) and
                 len(plan.seq_lens) <= self._linears[0].kernel_rows):
             return None
-        return lambda x, positions: self._run(x, positions, plan)
+        return lambda ids, positions: self._run(ids, positions, plan)
 
-    def _run(self, x: Tensor, positions: Tensor, plan: Any) -> None:
-        precise = tuple(lin.precise for lin in self._linears)
+    def _run(self, ids: Tensor, positions: Tensor, plan: Any) -> Tensor:
+        precise = tuple(map(_PRECISE, self._linears))
         if precise != self._precise:
             self._layers, self._precise = self._layer_table(), precise
-        step = self._step(x.shape[0], positions, plan)
+        step, x = self._step_for(ids, positions, plan)
         self._call(ctypes.byref(step), self._layers, len(self._blocks), x.data_ptr())
-        self.attention.after_lean_step(plan, len(self._blocks))
+        self.attention.after_lean_step(plan)
+        return x
 
     def _layer_table(self) -> ctypes.Array:
         self._keep = []
@@ -123,20 +133,38 @@ class LeanStep:
             self._keep.append((block.parts, k_side, v_side))
         return table
 
-    def _step(self, rows: int, positions: Tensor, plan: Any) -> Step:
+    def _step_for(self, ids: Tensor, positions: Tensor, plan: Any) -> tuple[Step, Tensor]:
+        """The call's arguments (made once per batch size, then this step's metadata)
+        and the residual it fills: the embeddings, or the model's when its table is not
+        quantized."""
+        rows = len(ids)
+        if self._step is None or self._step.T != rows:
+            self._step = self._new_step(rows)
+        step, x = self._step, self._buffers[0]
+        embed = self.model.tok_embeddings
+        if not isinstance(embed, QuantEmbedding):
+            x.copy_(embed(ids))
+        step.max_blocks = plan.block_tables.shape[1]
+        step.positions, step.ids = positions.data_ptr(), ids.data_ptr()
+        step.slots, step.offsets = plan.staging_slots.data_ptr(), plan.offsets.data_ptr()
+        step.block_tables, step.seq_lens = plan.block_tables.data_ptr(), plan.seq_lens.data_ptr()
+        return step, x
+
+    def _new_step(self, rows: int) -> Step:
         wqkv, _, w13, _, _, _, _, head_dim, hq, hqk = self._blocks[0].parts
-        if not self._buffers or self._buffers[0].shape[0] != rows:
-            self._buffers = [torch.empty(rows, n, dtype=torch.float32) for n in
-                             (wqkv.out_features, hq * head_dim, hq * head_dim, w13.out_features)]
-        a, model, stage_k = self.attention, self.model, self.attention.staging.buffer
-        cos, sin = model.rope_cos, model.rope_sin
-        return Step(**self._fns, T=rows, hidden=wqkv.in_features, hq=hq, hkv=hqk - hq,
-                    head_dim=head_dim, dtype_kind=stage.KINDS[a.dtype],
-                    stage_kind=stage.KINDS[stage_k.dtype], block_size=a.cache.block_size,
-                    max_blocks=plan.block_tables.shape[1], scale=a.scale, cos=cos.data_ptr(),
-                    sin=sin.data_ptr(), positions=positions.data_ptr(),
-                    slots=plan.staging_slots.data_ptr(), offsets=plan.offsets.data_ptr(),
-                    block_tables=plan.block_tables.data_ptr(),
-                    seq_lens=plan.seq_lens.data_ptr(),
+        hidden = wqkv.in_features
+        self._buffers = [torch.empty(rows, n, dtype=torch.float32) for n in
+                         (hidden, wqkv.out_features, hq * head_dim, hq * head_dim,
+                          w13.out_features)] + [torch.empty(16, hidden)]
+        a, model = self.attention, self.model
+        table = getattr(model.tok_embeddings, "table", None)
+        embed = table.packed if isinstance(model.tok_embeddings, QuantEmbedding) else None
+        return Step(**self._fns, embed=None if embed is None else embed.data_ptr(),
+                    embed_tile_bytes=0 if embed is None else embed.stride(0),
+                    embed_bits=0 if embed is None else table.bits, T=rows, hidden=hidden,
+                    hq=hq, hkv=hqk - hq, head_dim=head_dim, dtype_kind=stage.KINDS[a.dtype],
+                    stage_kind=stage.KINDS[a.staging.buffer.dtype],
+                    block_size=a.cache.block_size, scale=a.scale,
+                    cos=model.rope_cos.data_ptr(), sin=model.rope_sin.data_ptr(),
                     **{name: b.data_ptr() for name, b in
-                       zip(("qkv", "q", "attn", "gate_up"), self._buffers)})
+                       zip(("qkv", "q", "attn", "gate_up", "tile"), self._buffers[1:])})

@@ -169,6 +169,17 @@ class PagedKVCache:
             for stored, new in self._fields(self.layer_pool(side, layer), encoded):
                 stored[block_ids] = new
 
+    def write_blocks_all_layers(self, block_ids: Tensor, k: Tensor, v: Tensor) -> None:
+        """:meth:`write_blocks` of every layer at once, ``k``/``v`` ``[num_layers, n,
+        block_size, H, D]``: one quantize per layer group (codecs reduce within a block,
+        so this stores what layer-by-layer writes store)."""
+        for group in self._groups:
+            layers = group.layers if len(group.layers) < self.num_layers else slice(None)
+            for side, x in zip(_SIDES, (k, v)):
+                encoded = group.codecs[side].quantize(x[layers])
+                for stored, new in self._fields(group.pools[side], encoded):
+                    stored[:, block_ids] = new
+
     def layer_pool(self, side: str, layer: int) -> QuantizedKV:
         """Views of one layer's tensors of side ``k`` or ``v`` (for native kernels)."""
         group, index = self._where[layer]

@@ -105,6 +105,13 @@ class Staging:
             blocks = self.buffer[:, layer, slots[filled]]
             self.cache.write_blocks(layer, block_ids[filled], blocks[0], blocks[1])
 
+    def store_filled_all_layers(self, slots: Tensor, block_ids: Tensor,
+                                filled: Tensor | None) -> None:
+        """:meth:`store_filled` of every layer at once."""
+        if filled is not None:
+            blocks = self.buffer[:, :, slots[filled]]
+            self.cache.write_blocks_all_layers(block_ids[filled], blocks[0], blocks[1])
+
     # -- reads ---------------------------------------------------------------------------
 
     def blocks(self, layer: int, slots: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -199,16 +199,15 @@ class Transformer(nn.Module):
         return model
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionFn,
-                layers: Callable[[Tensor, Tensor], None] | None = None) -> Tensor:
+                layers: Callable[[Tensor, Tensor], Tensor] | None = None) -> Tensor:
         """Hidden states [T, hidden] after the final norm for a flat batch of T tokens.
-        ``layers(x, positions)``, when given, runs every layer on ``x`` in place instead
-        (the one-call decode step of slimkv.kernels.step)."""
+        ``layers(input_ids, positions)``, when given, computes the residual after the last
+        layer instead (the one-call decode step of slimkv.kernels.step)."""
+        if layers is not None:
+            return self.norm(layers(input_ids, positions))
         x = self.tok_embeddings(input_ids)
         if self.residual_dtype is not None:
             x = x.to(self.residual_dtype)
-        if layers is not None:
-            layers(x, positions)
-            return self.norm(x)
         cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
