@@ -27,24 +27,13 @@ from slimkv.kernels.stage import KINDS, stage_kernel
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
 from slimkv.metadata import AttentionMetadata, DecodePlan
+from slimkv.prefill import attend, context_mask, prefill_mask
 
 __all__ = ["FAST_ENV", "AttentionMetadata", "DecodePlan", "PagedAttention",
            "reference_paged_attention", "sequence_context"]
 
 # Set to 0 to force the reference (fallback) path, e.g. to prove `slimkv verify` catches it.
 FAST_ENV = "SLIMKV_ATTENTION_FAST"
-
-
-def _context_mask(seq_lens: Tensor, query_len: int, num_keys: int) -> Tensor:
-    """``[B, query_len, num_keys]`` bool, True where a query may attend a key.
-
-    Query ``i`` of a sequence of length ``L`` sits at absolute position ``L - query_len + i``
-    and sees keys at or before it, so padding past ``L`` (block tails, padded block tables
-    of shorter sequences) is never attended.
-    """
-    query_pos = seq_lens[:, None] - query_len + torch.arange(query_len, device=seq_lens.device)
-    key_pos = torch.arange(num_keys, device=seq_lens.device)
-    return key_pos[None, None, :] <= query_pos[:, :, None]
 
 
 def _gqa_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
@@ -73,7 +62,7 @@ def sequence_context(cache: PagedKVCache, staging: Staging | None, layer: int,
     block at full precision."""
     if staging is None:
         k, v = cache.read_prefix(layer, meta.block_tables[i:i + 1], meta.seq_lens[i], dtype)
-        return k, v, _context_mask(meta.seq_lens_t[i:i + 1], meta.query_lens[i], k.shape[1])
+        return k, v, context_mask(meta.seq_lens_t[i:i + 1], meta.query_lens[i], k.shape[1])
     return staging.context(layer, meta.block_tables[i:i + 1], meta.seq_lens[i],
                            meta.query_lens[i], meta.staging_slots[i:i + 1], meta.staged.get(i),
                            dtype)
@@ -190,9 +179,22 @@ class PagedAttention:
             self._count(layer, "fast_prefill")
         for i in prefills:
             rows = slice(meta.query_start_loc[i], meta.query_start_loc[i] + meta.query_lens[i])
-            k, v, mask = sequence_context(self.cache, self.staging, layer, meta, i, self.dtype)
-            out[rows] = _gqa_sdpa(q[rows].unsqueeze(0), k, v, mask, self.scale).squeeze(0)
+            out[rows] = self._prefill(layer, q[rows], meta, i)
         return out
+
+    def _prefill(self, layer: int, q: Tensor, meta: AttentionMetadata, i: int) -> Tensor:
+        """Sequence ``i``'s chunk: one SDPA over its keys, with the step's mask for it."""
+        table, seq_len = meta.block_tables[i:i + 1], meta.seq_lens[i]
+        staged = None if self.staging is None else meta.staged[i]
+        if staged is None:
+            k, v = self.cache.read_prefix(layer, table, seq_len, self.dtype)
+        else:
+            k, v = self.staging.keys(layer, table, seq_len, staged, self.dtype)
+        if i not in meta.prefill_masks:
+            num_pool_keys = k.shape[1] - (0 if staged is None else len(staged.k))
+            meta.prefill_masks[i] = prefill_mask(seq_len, len(q), num_pool_keys, staged,
+                                                 self.cache.block_size, self.dtype, q.device)
+        return attend(q, k[0], v[0], meta.prefill_masks[i], self.scale)
 
     def _write(self, layer: int, k: Tensor, v: Tensor, meta: AttentionMetadata) -> None:
         """Store the step's K/V: token by token, or through the staging slots (decodes at
@@ -276,5 +278,5 @@ class PagedAttention:
         k, v = self.cache.read_prefix(layer, plan.block_tables, plan.max_len, self.dtype)
         if self.staging is not None:
             self.staging.overlay(layer, k, v, plan.staging_slots, plan.last_block)
-        mask = _context_mask(plan.seq_lens, 1, k.shape[1])
+        mask = context_mask(plan.seq_lens, 1, k.shape[1])
         out[plan.rows] = _gqa_sdpa(q[plan.rows].unsqueeze(1), k, v, mask, self.scale).squeeze(1)
