@@ -17,11 +17,14 @@ from slimkv.config import Config
 from slimkv.engine import LLMEngine
 from slimkv.kernels import DecodeKernel
 from slimkv.kernels.qgemm import QGemm
+from slimkv.kernels.step import LeanStep
 from slimkv.kernels.stage import StageKernel
 from slimkv.model.llama import RMSNorm, Transformer
 from slimkv.model.quant import QuantEmbedding, QuantLinear
+from slimkv.outputs import Detokenizer
 from slimkv.runner import ModelRunner
 from slimkv.sampling import Sampler
+from slimkv.scheduler import Scheduler
 
 PARTS = {"step (engine.step)": (LLMEngine, "step"), "runner.execute": (ModelRunner, "execute"),
          "prepare (metadata)": (ModelRunner, "_prepare"), "model forward": (Transformer, "forward"),
@@ -32,7 +35,10 @@ PARTS = {"step (engine.step)": (LLMEngine, "step"), "runner.execute": (ModelRunn
          "attention kernel call + wrapper": (DecodeKernel, "__call__"),
          "KV stage call + wrapper": (StageKernel, "__call__"),
          "embedding": (QuantEmbedding, "forward"), "final norm": (RMSNorm, "forward"),
-         "sampler": (Sampler, "__call__")}
+         "sampler": (Sampler, "__call__"),
+         "one-call step (LeanStep._run, incl. C)": (LeanStep, "_run"),
+         "  its filled blocks + path counts": (PagedAttention, "after_lean_step"),
+         "scheduler": (Scheduler, "schedule"), "detokenizer": (Detokenizer, "update")}
 TOTALS: dict[str, float] = defaultdict(float)
 
 
