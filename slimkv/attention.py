@@ -249,8 +249,9 @@ class PagedAttention:
     def after_lean_step(self, plan: DecodePlan) -> None:
         """After that step: filled blocks into the pool (its kernel read them from the
         staging slots), the path counted for every layer."""
+        self.path_counts["fused_decode"] += self.cache.num_layers
         for layer in range(self.cache.num_layers):
-            self._count(layer, "fused_decode")
+            self.layer_path_counts[layer]["fused_decode"] += 1
         self.staging.store_filled_all_layers(plan.staging_slots, plan.last_block_id, plan.filled)
 
     def _fused_decode(self, layer: int, q: Tensor, plan: DecodePlan, out: Tensor) -> None:

@@ -82,15 +82,18 @@ class DecodePlan:
         if not seqs:
             return None
         device, whole = meta.block_tables.device, len(seqs) == len(meta.query_lens)
-        index = slice(None) if whole else torch.tensor(seqs, device=device)
-        tables = meta.block_tables[index].contiguous()
-        seq_lens = meta.seq_lens_t[index].contiguous()
-        last = (seq_lens - 1) // meta.block_size
-        offsets = (seq_lens - 1) % meta.block_size
-        slots = None if meta.staging_slots is None else meta.staging_slots[index].contiguous()
-        # Decided on the host, from the host's lengths: no device sync in any layer.
-        filled = [j for j, i in enumerate(seqs) if meta.seq_lens[i] % meta.block_size == 0]
-        return cls(seqs, torch.tensor([meta.query_start_loc[i] for i in seqs], device=device),
-                   tables, seq_lens, max(meta.seq_lens[i] for i in seqs), slots, last,
+        tables, seq_lens, slots = meta.block_tables, meta.seq_lens_t, meta.staging_slots
+        if not whole:  # (indexing copies: contiguous)
+            index = torch.tensor(seqs, device=device)
+            tables, seq_lens = tables[index], seq_lens[index]
+            slots = None if slots is None else slots[index]
+        lens, bs = [meta.seq_lens[i] for i in seqs], meta.block_size
+        # Rows, last block index and offset from the host's lengths, in one copy (and no
+        # device sync in any layer).
+        rows, last, offsets = torch.tensor([[meta.query_start_loc[i] for i in seqs],
+                                            [(n - 1) // bs for n in lens],
+                                            [(n - 1) % bs for n in lens]], device=device)
+        filled = [j for j, n in enumerate(lens) if n % bs == 0]
+        return cls(seqs, rows, tables, seq_lens, max(lens), slots, last,
                    tables.gather(1, last[:, None]).squeeze(1),
                    torch.tensor(filled, device=device) if filled else None, offsets, whole)

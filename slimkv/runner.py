@@ -162,7 +162,8 @@ class ModelRunner:
         hidden = self._forward(scheduled, meta)
         if not rows:
             return []
-        logits = self.model.compute_logits(hidden[rows])
+        # Every row samples in a step of decodes: no gather (rows only ever increase).
+        logits = self.model.compute_logits(hidden if len(rows) == len(hidden) else hidden[rows])
         for seq in seqs:
             self._generator(seq, logits.device)
         return list(zip(seqs, self.sampler(logits, seqs)))
