@@ -25,6 +25,7 @@ from slimkv.kernels import (KVSide, decode_kernel, describe, kernel_format,
                             kernel_unavailable_reason)
 from slimkv.kernels.stage import KINDS, stage_kernel
 from slimkv.kv.cache import PagedKVCache
+from slimkv.kv.quant import FloatCodec
 from slimkv.kv.staging import Staging
 from slimkv.metadata import AttentionMetadata, DecodePlan
 from slimkv.prefill import attend, context_mask, prefill_mask
@@ -121,9 +122,12 @@ class PagedAttention:
         self.fallback_reason = self._fallback_reason()
         self.kernel_unavailable = self._kernel_unavailable()
         self._sides: dict[int, tuple[KVSide, KVSide]] = {}  # per layer, made on first use
-        # The lean decode step (decodes only, staged cache, fused kernel; _lean_decode).
-        lean = (staging is not None and self.fallback_reason is None and
-                staging.buffer.dtype == dtype in KINDS)
+        # The lean decode (decodes only, fused kernel): in each layer (_lean_decode) for a
+        # staged cache; in the one-call step (slimkv.kernels.step) also for an unstaged pool
+        # stored in the model dtype, which the stage kernel writes as it writes staging.
+        lean = self.fallback_reason is None and dtype in KINDS and (
+            staging.buffer.dtype == dtype if staging is not None else
+            all(isinstance(c, FloatCodec) and c.storage_dtype == dtype for c in cache.all_codecs()))
         self._stage = stage_kernel() if lean else None
         self._q = torch.empty(0)
         self._kernel = decode_kernel() if self.kernel_unavailable is None else None
@@ -158,7 +162,7 @@ class PagedAttention:
         """``q [T, num_heads, D]``, ``k, v [T, H_kv, D]`` (any float dtype, taken as rounded
         to ``dtype``) -> ``[T, num_heads, D]`` in ``dtype``."""
         plan = meta.decode
-        if self.can_lean(plan):
+        if self.staging is not None and self.can_lean(plan):
             return self._lean_decode(layer, q, k, v, plan)
         q, k, v = (x.to(self.dtype) for x in (q, k, v))
         self._write(layer, k, v, meta)
@@ -242,9 +246,12 @@ class PagedAttention:
             not self.kernel_unavailable
 
     def lean_layer(self, layer: int) -> tuple[Tensor, Tensor, KVSide, KVSide]:
-        """A layer's staging K, V and pool sides, for the one-call decode step
-        (slimkv.kernels.step), which does what :meth:`_lean_decode` does in every layer."""
-        return (*self.staging.layer_buffers(layer), *self._layer_sides(layer))
+        """Where a layer's new K, V go (staging, else the pool) and its pool sides, for the
+        one-call decode step (slimkv.kernels.step): :meth:`_lean_decode`, or the cache
+        write then :meth:`_fused_decode`, in every layer."""
+        buffers = self.staging.layer_buffers(layer) if self.staging is not None else tuple(
+            self.cache.layer_pool(side, layer).data for side in ("k", "v"))
+        return (*buffers, *self._layer_sides(layer))
 
     def after_lean_step(self, plan: DecodePlan) -> None:
         """After that step: filled blocks into the pool (its kernel read them from the
@@ -252,7 +259,9 @@ class PagedAttention:
         self.path_counts["fused_decode"] += self.cache.num_layers
         for layer in range(self.cache.num_layers):
             self.layer_path_counts[layer]["fused_decode"] += 1
-        self.staging.store_filled_all_layers(plan.staging_slots, plan.last_block_id, plan.filled)
+        if self.staging is not None:
+            self.staging.store_filled_all_layers(plan.staging_slots, plan.last_block_id,
+                                                 plan.filled)
 
     def _fused_decode(self, layer: int, q: Tensor, plan: DecodePlan, out: Tensor) -> None:
         buffers = None if self.staging is None else self.staging.layer_buffers(layer)

@@ -13,8 +13,9 @@
  *   its output rounded to the model dtype (the attention returns that dtype)
  *   x   += qgemm(out) (+ bias)
  *   gu   = qgemm(RMSNorm(x)) (+ bias);  x += qgemm(SiLU(gate) * up) (+ bias)
- * Blocks that a token fills go into the pool afterwards, in Python (the kernel reads each
- * sequence's own block from its staging slot, never from the pool).
+ * With a staged cache, blocks that a token fills go into the pool afterwards, in Python
+ * (the kernel reads each sequence's own block from its staging slot, never from the pool);
+ * an unstaged pool in the model dtype takes the new K/V from the stage kernel directly.
  */
 #include <stdint.h>
 #include <string.h>
@@ -46,7 +47,9 @@ typedef struct {
     linear qkv, o, gate_up, down;
     const float *attn_norm, *ffn_norm;
     float attn_eps, ffn_eps;
-    void *stage_k, *stage_v;     /* the layer's staging [slots, bs, H, D] */
+    void *stage_k, *stage_v;     /* where the new K, V go: the layer's staging [slots, bs,
+                                  * H, D] (own_slots: the attention reads its own block from
+                                  * there), or the pool itself (slots: block ids) */
     const void *k_side, *v_side; /* paged_decode's kv_side of the layer's pool */
 } layer;
 
@@ -63,7 +66,7 @@ typedef struct {
         max_blocks;
     float scale;
     const float *cos, *sin;      /* RoPE tables [positions, head_dim] */
-    const int64_t *positions, *slots, *offsets, *block_tables, *seq_lens;
+    const int64_t *positions, *slots, *offsets, *own_slots, *block_tables, *seq_lens;
     const int64_t *ids;          /* the tokens (with embed) */
     float *qkv, *q, *attn, *gate_up; /* buffers [T, qkv n], [T, hq * D] x 2, [T, gate_up n] */
     float *tile;                 /* [16, hidden] (with embed) */
@@ -88,9 +91,10 @@ static void run_layer(const step *s, const layer *l, float *x) {
     const float *k = s->qkv + width, *v = k + s->hkv * D;
     s->stage(s->qkv, qkv_n, k, qkv_n, v, qkv_n, T, s->hq, s->hkv, D, s->dtype_kind, s->q,
              l->stage_k, l->stage_v, s->stage_kind, s->block_size, s->slots, s->offsets);
+    int own = s->own_slots != 0;
     s->decode(s->q, s->attn, T, s->hq, s->hkv, D, s->block_size, s->block_tables, s->max_blocks,
-              s->seq_lens, l->k_side, l->v_side, l->stage_k, l->stage_v, s->stage_kind,
-              s->slots, s->scale);
+              s->seq_lens, l->k_side, l->v_side, own ? l->stage_k : 0, own ? l->stage_v : 0,
+              s->stage_kind, s->own_slots, s->scale);
     s->round_to(s->attn, (int64_t)T * width, s->dtype_kind);
     s->qgemm(s->attn, T, width, width, l->o.mode, 0, 0.0f, l->o.w, l->o.bits, H, x, 1);
     add_bias(x, T, &l->o);

@@ -49,7 +49,7 @@ class Step(ctypes.Structure):
                                            "max_blocks")),
                 ("scale", ctypes.c_float),
                 *((name, ptr) for name in ("cos", "sin", "positions", "slots", "offsets",
-                                           "block_tables", "seq_lens", "ids", "qkv", "q", "attn",
+                                           "own_slots", "block_tables", "seq_lens", "ids", "qkv", "q", "attn",
                                            "gate_up", "tile"))]
 
 
@@ -85,8 +85,7 @@ class LeanStep:
         self.model, self.attention, self.enabled = model, attention, True
         blocks = list(getattr(model, "layers", []))
         lean = (blocks and all(isinstance(b, QuantBlock) for b in blocks) and
-                model.rope_cos.dtype == torch.float32 and attention.staging is not None and
-                attention.cache.device.type == "cpu")
+                model.rope_cos.dtype == torch.float32 and attention.cache.device.type == "cpu")
         self._fns, self._call = (_functions() or (None, None)) if lean else (None, None)
         self._blocks = blocks if self._fns else []
         self._linears = [lin for b in self._blocks for lin in b.parts[:4]]
@@ -130,7 +129,7 @@ class LeanStep:
                              ffn_norm.weight.data_ptr(), attn_norm.eps, ffn_norm.eps,
                              stage_k.data_ptr(), stage_v.data_ptr(), ctypes.addressof(k_side),
                              ctypes.addressof(v_side))
-            self._keep.append((block.parts, k_side, v_side))
+            self._keep.append((block.parts, stage_k, stage_v, k_side, v_side))
         return table
 
     def _step_for(self, ids: Tensor, positions: Tensor, plan: Any) -> tuple[Step, Tensor]:
@@ -146,7 +145,10 @@ class LeanStep:
             x.copy_(embed(ids))
         step.max_blocks = plan.block_tables.shape[1]
         step.positions, step.ids = positions.data_ptr(), ids.data_ptr()
-        step.slots, step.offsets = plan.staging_slots.data_ptr(), plan.offsets.data_ptr()
+        own = plan.staging_slots  # a staged cache; else the new K/V go to the pool's blocks
+        step.slots = (plan.last_block_id if own is None else own).data_ptr()
+        step.own_slots = None if own is None else own.data_ptr()
+        step.offsets = plan.offsets.data_ptr()
         step.block_tables, step.seq_lens = plan.block_tables.data_ptr(), plan.seq_lens.data_ptr()
         return step, x
 
@@ -163,7 +165,7 @@ class LeanStep:
                     embed_tile_bytes=0 if embed is None else embed.stride(0),
                     embed_bits=0 if embed is None else table.bits, T=rows, hidden=hidden,
                     hq=hq, hkv=hqk - hq, head_dim=head_dim, dtype_kind=stage.KINDS[a.dtype],
-                    stage_kind=stage.KINDS[a.staging.buffer.dtype],
+                    stage_kind=stage.KINDS[a.dtype],  # staging's or the pool's (same)
                     block_size=a.cache.block_size, scale=a.scale,
                     cos=model.rope_cos.data_ptr(), sin=model.rope_sin.data_ptr(),
                     **{name: b.data_ptr() for name, b in
