@@ -148,9 +148,10 @@ class QuantLinear(nn.Module):
               out: Tensor | None = None) -> Tensor:
         """float32 ``f(x) . W^T (+ bias)``, added into ``out`` when given (see QGemm)."""
         if x.shape[0] > self.kernel_rows:
-            y = F.linear(_prepare(x, mode, norm).to(self.dtype), self.kernel.dequantize(
-                self.packed, self.out_features, self.dtype)).float()
-            y = y if out is None else out.add_(y)
+            y = F.linear(_prepare(x, mode, norm, self.dtype), self.kernel.dequantize(
+                self.packed, self.out_features, self.dtype))
+            # float32 out += y in dtype adds y's exact values: no float32 copy of y needed
+            y = y.float() if out is None else out.add_(y)
         else:
             weight = None if norm is None else _float32(norm.weight)
             y = self.kernel(_float32(x), self.packed, self.out_features,
@@ -170,15 +171,16 @@ def _float32(t: Tensor) -> Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
-def _prepare(x: Tensor, mode: int, norm: nn.Module | None) -> Tensor:
-    """What the kernel's input modes do to x, in float32 torch ops (the GEMM path)."""
-    x = x.float()
+def _prepare(x: Tensor, mode: int, norm: nn.Module | None, dtype: torch.dtype) -> Tensor:
+    """What the kernel's input modes do to x, in float32 torch ops, rounded once to
+    ``dtype`` (the GEMM path). A plain ``x`` already in ``dtype`` is used as it is."""
     if mode == RMSNORM:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.float()
-    if mode == SILU_MUL:
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.float()
+    elif mode == SILU_MUL:
         gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    return x
+        x = F.silu(gate.float()).mul_(up)
+    return x.to(dtype)
 
 
 class QuantEmbedding(nn.Module):
