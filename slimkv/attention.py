@@ -28,7 +28,8 @@ from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.quant import FloatCodec
 from slimkv.kv.staging import Staging
 from slimkv.metadata import AttentionMetadata, DecodePlan
-from slimkv.prefill import attend, context_mask, prefill_mask
+from slimkv import prefill
+from slimkv.prefill import context_mask
 
 __all__ = ["FAST_ENV", "AttentionMetadata", "DecodePlan", "PagedAttention",
            "reference_paged_attention", "sequence_context"]
@@ -187,18 +188,15 @@ class PagedAttention:
         return out
 
     def _prefill(self, layer: int, q: Tensor, meta: AttentionMetadata, i: int) -> Tensor:
-        """Sequence ``i``'s chunk: one SDPA over its keys, with the step's mask for it."""
-        table, seq_len = meta.block_tables[i:i + 1], meta.seq_lens[i]
+        """Sequence ``i``'s chunk, in the pieces planned for it by the step's first layer."""
+        k, v = self.cache.read_prefix(layer, meta.block_tables[i:i + 1], meta.seq_lens[i],
+                                      self.dtype)
         staged = None if self.staging is None else meta.staged[i]
-        if staged is None:
-            k, v = self.cache.read_prefix(layer, table, seq_len, self.dtype)
-        else:
-            k, v = self.staging.keys(layer, table, seq_len, staged, self.dtype)
-        if i not in meta.prefill_masks:
-            num_pool_keys = k.shape[1] - (0 if staged is None else len(staged.k))
-            meta.prefill_masks[i] = prefill_mask(seq_len, len(q), num_pool_keys, staged,
-                                                 self.cache.block_size, self.dtype, q.device)
-        return attend(q, k[0], v[0], meta.prefill_masks[i], self.scale)
+        if i not in meta.prefill_pieces:
+            meta.prefill_pieces[i] = prefill.plan(meta.seq_lens[i], len(q),
+                                                  None if staged is None else staged.start,
+                                                  self.cache.block_size, self.dtype, q.device)
+        return prefill.run(meta.prefill_pieces[i], q, k[0], v[0], staged, self.scale)
 
     def _write(self, layer: int, k: Tensor, v: Tensor, meta: AttentionMetadata) -> None:
         """Store the step's K/V: token by token, or through the staging slots (decodes at

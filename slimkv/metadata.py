@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from slimkv.kv.staging import StagedKV
+from slimkv.prefill import Piece
 
 
 @dataclass(slots=True)
@@ -32,9 +33,8 @@ class AttentionMetadata:
     # Per prefill (by sequence index), its K/V at full precision from the start of its first
     # block; written by each layer's cache write for that layer's attention (staged cache).
     staged: dict[int, StagedKV] = field(init=False, default_factory=dict)
-    # Per prefill, its additive attention mask (None: causal), built by the first layer
-    # for all (slimkv.prefill.prefill_mask).
-    prefill_masks: dict[int, Tensor | None] = field(init=False, default_factory=dict)
+    # Per prefill, its attention pieces, planned by the step's first layer for all of them.
+    prefill_pieces: dict[int, list[Piece]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.decode = DecodePlan.build(self)

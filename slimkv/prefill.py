@@ -1,15 +1,21 @@
-"""Prefill attention: one sequence's chunk of queries over its context, one SDPA call.
+"""Prefill attention: one sequence's chunk of queries over its context, in a few SDPA calls.
 
-What a chunk's queries may see depends on positions only, so it is the same in every
-layer: :func:`prefill_mask` is built once per step (the runner's metadata keeps it) and
-every layer reuses it. It is an *additive* mask in the model dtype (0 or -inf): SDPA turns
-a bool mask into that form on every call, which cost as much as the attention itself at
-512 queries. A chunk that starts the sequence on an unstaged cache needs no mask at all
-(``is_causal``). The query heads sharing a KV head are expanded by SDPA itself
-(``enable_gqa``), so the mask stays ``[query_len, keys]`` for every head.
+What a query may see depends on positions only (:func:`slimkv.kv.staging.staged_mask`,
+:func:`context_mask`), so it is the same in every layer: :func:`plan` runs once per step
+(the step's metadata keeps it) and every layer reuses it. The chunk's queries are cut into
+*pieces* of ``PIECE`` positions; a piece attends only the keys some of its queries can see
+(the pool blocks before its last block, plus, with a staged cache, the full-precision
+tokens from its first block on), so a 512-token chunk does ~causal work instead of
+attending every key of the sequence (twice for a staged cache: pool and staged) under a
+mask. Each piece's mask is *additive* (0 / -inf) in the model dtype: SDPA turns a bool
+mask into that form on every call, which cost as much as the attention itself. A chunk
+that starts the sequence on an unstaged cache is one causal call without a mask. The query
+heads sharing a KV head are expanded by SDPA itself (``enable_gqa``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +23,10 @@ from torch import Tensor
 
 from slimkv.kv.staging import StagedKV, staged_mask
 
-__all__ = ["additive", "attend", "context_mask", "prefill_mask"]
+__all__ = ["PIECE", "Piece", "attend", "context_mask", "plan", "run"]
+
+# Query positions per SDPA call (a multiple of the block size).
+PIECE = 128
 
 
 def context_mask(seq_lens: Tensor, query_len: int, num_keys: int) -> Tensor:
@@ -32,26 +41,48 @@ def context_mask(seq_lens: Tensor, query_len: int, num_keys: int) -> Tensor:
     return key_pos[None, None, :] <= query_pos[:, :, None]
 
 
-def additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """A bool mask as SDPA's additive form: 0 where True, -inf where False."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
         ~mask, float("-inf"))
 
 
-def prefill_mask(seq_len: int, query_len: int, num_pool_keys: int, staged: StagedKV | None,
-                 block_size: int, dtype: torch.dtype, device: torch.device) -> Tensor | None:
-    """The additive mask ``[query_len, keys]`` of one sequence's chunk, or None where the
-    keys are its first ``seq_len`` pool keys and the chunk is the whole sequence (causal).
+@dataclass(slots=True, frozen=True)
+class Piece:
+    """Query rows ``rows`` of a chunk attend pool keys ``[0, num_pool_keys)`` then the
+    staged tokens ``staged`` (indices into :class:`StagedKV`; None: unstaged cache), under
+    the additive ``mask [rows, keys]``, or causally over the first ``len(rows)`` pool keys
+    when ``mask`` is None."""
 
-    Keys are the pool's ``num_pool_keys`` (block padding included), then, for a staged
-    cache, ``staged``'s full-precision tokens (see :meth:`Staging.context`)."""
-    if staged is not None:
-        return additive(staged_mask(seq_len, query_len, num_pool_keys, staged.start,
-                                    len(staged.k), block_size, device), dtype)
-    if query_len == seq_len:
-        return None
-    seq_lens = torch.tensor([seq_len], device=device)
-    return additive(context_mask(seq_lens, query_len, num_pool_keys)[0], dtype)
+    rows: slice
+    num_pool_keys: int
+    staged: slice | None
+    mask: Tensor | None
+
+
+def plan(seq_len: int, query_len: int, staged_start: int | None, block_size: int,
+         dtype: torch.dtype, device: torch.device, piece: int | None = None) -> list[Piece]:
+    """The pieces (of ``piece`` positions, default :data:`PIECE`) of the chunk of a
+    ``seq_len``-token sequence's last ``query_len`` tokens; ``staged_start``:
+    :attr:`StagedKV.start` for a staged cache, else None."""
+    piece = piece or PIECE
+    start = seq_len - query_len
+    if staged_start is None and start == 0:
+        return [Piece(slice(0, query_len), query_len, None, None)]
+    pieces = []
+    for first in range(start, seq_len, piece):
+        last = min(first + piece, seq_len)  # positions [first, last)
+        rows = slice(first - start, last - start)
+        if staged_start is None:
+            mask = context_mask(torch.tensor([last], device=device), last - first, last)[0]
+            pieces.append(Piece(rows, last, None, _additive(mask, dtype)))
+            continue
+        own = first // block_size * block_size  # the first query's block: staged from here
+        pool = (last - 1) // block_size * block_size  # the last query's block: pool before it
+        mask = staged_mask(last, last - first, pool, own, last - own, block_size, device)
+        pieces.append(Piece(rows, pool, slice(own - staged_start, last - staged_start),
+                            _additive(mask, dtype)))
+    return pieces
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
@@ -64,3 +95,20 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                          scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
+
+
+def run(pieces: list[Piece], q: Tensor, k: Tensor, v: Tensor, staged: StagedKV | None,
+        scale: float) -> Tensor:
+    """A chunk's ``q [n, Hq, D]`` over its pool keys ``k, v [L, H_kv, D]`` (and ``staged``)
+    piece by piece -> ``[n, Hq, D]``."""
+    out = None if len(pieces) == 1 else torch.empty_like(q)
+    for p in pieces:
+        pk, pv = k[:p.num_pool_keys], v[:p.num_pool_keys]
+        if p.staged is not None:
+            pk = torch.cat((pk, staged.k[p.staged].to(k.dtype)))
+            pv = torch.cat((pv, staged.v[p.staged].to(v.dtype)))
+        y = attend(q[p.rows], pk, pv, p.mask, scale)
+        if out is None:
+            return y
+        out[p.rows] = y
+    return out

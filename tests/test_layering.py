@@ -24,7 +24,7 @@ CORE_LAYERS = [
      "slimkv.sequence",
      "slimkv.kv.manager", "slimkv.kv.contiguous", "slimkv.outputs"],
     ["slimkv.kv.cache", "slimkv.kv.staging", "slimkv.kv", "slimkv.kernels"],
-    ["slimkv.metadata", "slimkv.prefill", "slimkv.attention"],
+    ["slimkv.prefill", "slimkv.metadata", "slimkv.attention"],
     ["slimkv.scheduler", "slimkv.memory"],
     ["slimkv.runner"],
     ["slimkv.engine"],

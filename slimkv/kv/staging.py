@@ -142,18 +142,12 @@ class Staging:
             start = (seq_len - 1) // bs * bs
             k_block, v_block = self.blocks(layer, slot, dtype)
             staged = StagedKV(start, k_block[0, :seq_len - start], v_block[0, :seq_len - start])
-        k, v = self.keys(layer, block_table, seq_len, staged, dtype)
-        mask = staged_mask(seq_len, query_len, k.shape[1] - len(staged.k), staged.start,
-                           len(staged.k), bs, k.device)
-        return k, v, mask[None]
-
-    def keys(self, layer: int, block_table: Tensor, seq_len: int, staged: StagedKV,
-             dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """Keys, values ``[1, n, H, D]``: the pool blocks of ``block_table [1, m]`` covering
-        ``seq_len`` tokens, then ``staged``'s full-precision tokens."""
         k, v = self.cache.read_prefix(layer, block_table, seq_len, dtype)
-        return (torch.cat((k, staged.k[None].to(dtype)), 1),
-                torch.cat((v, staged.v[None].to(dtype)), 1))
+        mask = staged_mask(seq_len, query_len, k.shape[1], staged.start, len(staged.k), bs,
+                           k.device)
+        k = torch.cat((k, staged.k[None].to(dtype)), 1)
+        v = torch.cat((v, staged.v[None].to(dtype)), 1)
+        return k, v, mask[None]
 
 
 def staged_mask(seq_len: int, query_len: int, num_pool_keys: int, staged_start: int,
