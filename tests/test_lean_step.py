@@ -68,3 +68,22 @@ def test_precise_activations_too(engine) -> None:
         set_activations(model, engine.runner.config.model.activations == "precise")
     assert tokens_c == tokens
     assert all(torch.equal(a, b) for a, b in zip(logits, logits_c, strict=True))
+
+
+def test_biases_too(engine) -> None:
+    """Qwen2 has QKV biases; the step adds any projection's bias as the per-op path does."""
+    linears = [lin for block in engine.runner.model.layers for lin in block.parts[:4]]
+    for i, lin in enumerate(linears):
+        lin.bias = torch.nn.Parameter(0.05 * torch.randn(lin.out_features,
+                                                         generator=torch.Generator().manual_seed(i)),
+                                      requires_grad=False)
+    engine.runner.lean_step.reset()
+    try:
+        tokens, logits, _ = _run(engine, False, 2, 20)
+        tokens_c, logits_c, calls = _run(engine, True, 2, 20)
+    finally:
+        for lin in linears:
+            lin.bias = None
+        engine.runner.lean_step.reset()
+    assert calls >= 19 and tokens_c == tokens
+    assert all(torch.equal(a, b) for a, b in zip(logits, logits_c, strict=True))

@@ -95,6 +95,11 @@ class LeanStep:
         self._step: Step | None = None
         self._buffers: list[Tensor] = []
 
+    def reset(self) -> None:
+        """Forget the layer table (made again on the next step): after a change of the
+        model's weights or biases. ``set_activations`` is noticed without this."""
+        self._precise = None
+
     @property
     def available(self) -> bool:
         return self._fns is not None
