@@ -1,8 +1,15 @@
-import sys, time, cProfile, pstats
+"""The batched workload (16 x 512 + 64, all at once): wall, per-step ms, optional cProfile.
+
+    flock /tmp/slimkv-cpu.lock timeout 200 .venv/bin/python scripts/prof_batched.py int8 [prof]
+(CHUNK=1024 in the environment sets scheduler.max_num_batched_tokens.)
+"""
+import os, sys, time, cProfile, pstats
 from slimkv.config import Config
 from slimkv.bench.compare import engine_for, batched
 kv = sys.argv[1] if len(sys.argv) > 1 else "int8"
 cfg = Config.load()
+if os.environ.get("CHUNK"):  # scheduler.max_num_batched_tokens
+    cfg = cfg.replace("scheduler", max_num_batched_tokens=int(os.environ["CHUNK"]))
 eng = engine_for(cfg, kv, 16, 512 + 64)
 batched(eng, 2, 64, 4)  # warm
 # time steps
