@@ -12,8 +12,6 @@ import torch.nn.functional as F
 from slimkv.attention import AttentionMetadata, PagedAttention
 from slimkv.kv.cache import PagedKVCache
 
-from integer_reference import assert_kernel_matches
-
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 32, 4, 24
 SCALE = 1 / math.sqrt(HEAD_DIM)
 LAYER = 1
@@ -138,14 +136,9 @@ def test_chunked_prefill_equals_unchunked(dtype: str) -> None:
 
 @pytest.mark.parametrize("dtype, v_dtype", [("int8", None), ("fp8", None), ("int8", "int4")])
 def test_quantized_kv_fast_matches_reference(dtype: str, v_dtype: str | None) -> None:
-    """Prefill rows equal the reference; the fused kernel's decode rows too, or where it
-    computes int8 dot products in integers, its integer math (tests/integer_reference.py)."""
+    fast, _ = _run(MIXED_BATCH, fast=True, dtype=dtype, v_dtype=v_dtype)
     reference, _ = _run(MIXED_BATCH, fast=False, dtype=dtype, v_dtype=v_dtype)
-    cache = _cache(dtype, v_dtype)
-    q, k, v, meta = _step(cache, _sequences([seq_len for seq_len, _ in MIXED_BATCH]),
-                          MIXED_BATCH)
-    fast = PagedAttention(cache, NUM_HEADS, SCALE, torch.float32, fast=True)(LAYER, q, k, v, meta)
-    assert_kernel_matches(fast, cache, LAYER, q, meta, SCALE, None, (reference,))
+    torch.testing.assert_close(fast, reference, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype, v_dtype, atol", [

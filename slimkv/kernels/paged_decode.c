@@ -10,8 +10,7 @@
  * With AVX-512 (F/BW/DQ/VL) and a head dim that is a multiple of 16 up to 256, paged_decode
  * takes the tiled path of paged_decode_avx512.h (16-token tiles converted once for the G
  * query heads, transpose-reduced scores, prefetched blocks, long sequences of small batches
- * split across threads and merged by log-sum-exp; with AVX512-VNNI, int16 dot products for
- * int8 and int4 KV: paged_decode_vnni.h); elsewhere the portable per-row loop below
+ * split across threads and merged by log-sum-exp); elsewhere the portable per-row loop below
  * (`attend`, also exported as paged_decode_portable) computes the same.
  */
 #include <math.h>
@@ -435,14 +434,3 @@ void paged_decode(const float *q, float *out, int B, int Hq, int H, int D, int b
 
 /* Whether paged_decode takes the AVX-512 path for head dim D. */
 int paged_decode_native_for(int D) { return PD_NATIVE && D % 16 == 0 && D <= 256; }
-
-/* Whether paged_decode takes the integer (AVX512-VNNI) dot products of paged_decode_vnni.h
- * for head dim D: then int8 keys and block-scaled int4 keys meet an int16-quantized q, and
- * per-token-scaled int8 values int16-quantized weights (tests compare with that math). */
-int paged_decode_integer_for(int D) {
-#if PD_NATIVE
-    return PD_VNNI && D % 32 == 0 && D <= MAX_D;
-#else
-    return 0;
-#endif
-}

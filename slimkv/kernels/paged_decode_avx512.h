@@ -10,28 +10,22 @@
  */
 enum { TILE = 16, MAX_D = 256, PREFETCH = 2 }; /* head dims: multiples of 16 up to MAX_D */
 
-/* a + b as floats, or as int32 lanes when `integer` (reduce16 on exact integer sums). */
-static inline __attribute__((always_inline)) __m512 add16(__m512 a, __m512 b, const int integer) {
-    return integer ? _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)))
-                   : _mm512_add_ps(a, b);
-}
-
-/* a[i] summed across its lanes into lane i (15 adds for 16 sums), as floats or int32 lanes.
- * The shuffle tree leaves lane i holding the sum of its input P(i), P swapping 1<->2, 4<->8,
- * 5<->10, 6<->9, 7<->11, 13<->14 (an involution), so a[P(i)] is fed in as input i. */
-static inline __attribute__((always_inline)) __m512 reduce16(const __m512 *a, const int integer) {
+/* a[i] summed across its lanes into lane i (15 adds for 16 sums). The shuffle tree leaves
+ * lane i holding the sum of its input P(i), P swapping 1<->2, 4<->8, 5<->10, 6<->9, 7<->11,
+ * 13<->14 (an involution), so a[P(i)] is fed in as input i. */
+static inline __attribute__((always_inline)) __m512 reduce16(const __m512 *a) {
     static const int P[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
     __m512 w[8], u[4], s[2];
     for (int i = 0; i < 8; i++) /* 256-bit halves: input i | input i + 8 */
-        w[i] = add16(_mm512_shuffle_f32x4(a[P[i]], a[P[i + 8]], 0x44),
-                     _mm512_shuffle_f32x4(a[P[i]], a[P[i + 8]], 0xEE), integer);
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[P[i]], a[P[i + 8]], 0x44),
+                             _mm512_shuffle_f32x4(a[P[i]], a[P[i + 8]], 0xEE));
     for (int i = 0; i < 4; i++) /* 128-bit blocks */
-        u[i] = add16(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88),
-                     _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD), integer);
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88),
+                             _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
     for (int i = 0; i < 2; i++) /* lane pairs */
-        s[i] = add16(_mm512_shuffle_ps(u[i], u[i + 2], 0x44), _mm512_shuffle_ps(u[i], u[i + 2], 0xEE),
-                     integer);
-    return add16(_mm512_shuffle_ps(s[0], s[1], 0x88), _mm512_shuffle_ps(s[0], s[1], 0xDD), integer);
+        s[i] = _mm512_add_ps(_mm512_shuffle_ps(u[i], u[i + 2], 0x44),
+                             _mm512_shuffle_ps(u[i], u[i + 2], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], 0x88), _mm512_shuffle_ps(s[0], s[1], 0xDD));
 }
 
 /* exp_nonpos on 16 lanes. */
@@ -70,23 +64,17 @@ static inline __attribute__((always_inline)) float softmax_numerators(float *sc,
     return m;
 }
 
-#include "paged_decode_vnni.h"
-
-/* Slice `part` of `parts` of block blk (all heads' rows and their scales) on its way to L1:
- * callers spread a block's prefetches over their head loop, so that a burst of them never
- * fills the line-fill buffers and stalls the loads of the block being computed. */
+/* Block blk (all heads' rows and their scales) on its way to L1. */
 static inline __attribute__((always_inline)) void
-prefetch_block(const kv_side *s, int64_t blk, int H, int bs, const int D, int part, int parts) {
-    size_t lines = ((size_t)bs * H * s->width * elem_size(s->kind) + 63) / 64;
-    const char *base = (const char *)s->data + (size_t)blk * bs * H * s->width * elem_size(s->kind);
-    for (size_t l = lines * part / parts; l < lines * (part + 1) / parts; l++)
-        _mm_prefetch(base + 64 * l, _MM_HINT_T0);
+prefetch_block(const kv_side *s, int64_t blk, int H, int bs, const int D) {
+    size_t bytes = (size_t)bs * H * s->width * elem_size(s->kind);
+    const char *base = (const char *)s->data + (size_t)blk * bytes;
+    for (size_t off = 0; off < bytes; off += 64) _mm_prefetch(base + off, _MM_HINT_T0);
     size_t n = s->scale_mode == SCALE_BLOCK ? (size_t)H * D : (size_t)bs * H * s->groups;
     if (s->scale_mode == SCALE_NONE) return;
-    size_t scale_lines = (2 * n + 63) / 64;
-    for (size_t l = scale_lines * part / parts; l < scale_lines * (part + 1) / parts; l++) {
-        _mm_prefetch((const char *)(s->scale + blk * n) + 64 * l, _MM_HINT_T0);
-        if (s->zero) _mm_prefetch((const char *)(s->zero + blk * n) + 64 * l, _MM_HINT_T0);
+    for (size_t off = 0; off < 2 * n; off += 64) {
+        _mm_prefetch((const char *)(s->scale + blk * n) + off, _MM_HINT_T0);
+        if (s->zero) _mm_prefetch((const char *)(s->zero + blk * n) + off, _MM_HINT_T0);
     }
 }
 
@@ -225,7 +213,7 @@ tile_scores(const float *qk, const float *bias, int G, const int D, const float 
                 a[t] = _mm512_fmadd_ps(_mm512_loadu_ps(qk + g * D + d),
                                        _mm512_load_ps(tile + t * D + d), a[t]);
         }
-        __m512 sc = _mm512_fmadd_ps(reduce16(a, 0), tsc, _mm512_set1_ps(bias[g]));
+        __m512 sc = _mm512_fmadd_ps(reduce16(a), tsc, _mm512_set1_ps(bias[g]));
         _mm512_mask_storeu_ps(scores + g * stride, keep, sc);
     }
 }
@@ -261,22 +249,14 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
     float tile[TILE * D] __attribute__((aligned(64))), rsc[TILE] __attribute__((aligned(64)));
     float bsc[D], bz[D], qp[H * G * D], qs[G * D], bias[G];
     int k_u4 = k->kind == KIND_U4, fold = k->scale_mode == SCALE_BLOCK;
-#if PD_VNNI /* integer Q.K for pool blocks of int8 keys and block-scaled int4 ones */
-    int16_t tile16[TILE * D] __attribute__((aligned(64))), q16[G * D];
-    float qa[G]; /* q16's steps */
-    float accq[H * G * D]; /* integer P.V's sums, in pair_pos order */
-    int k_int = D % 32 == 0 && (k->kind == KIND_I8 ? k->scale_mode != SCALE_NONE : k_u4 && fold);
-    int v_int = D % 32 == 0 && v->kind == KIND_I8 && v->scale_mode == SCALE_TOKEN;
-    if (v_int) memset(accq, 0, sizeof(accq));
-#endif
     int64_t base = (int64_t)j0 * bs, n = (L < (int64_t)j1 * bs ? L : (int64_t)j1 * bs) - base;
     for (int i = 0; i < H * G; i++) /* q in the order K rows arrive in */
         for (int d = 0; d < D; d++) qp[i * D + permuted(d, k_u4, D)] = q[i * D + d] * sm_scale;
     for (int j = j0; j < j1; j++) { /* scores */
         int nj = (int)(L - (int64_t)j * bs < bs ? L - (int64_t)j * bs : bs), jv = j - j1 + PREFETCH + j0;
+        if (j + PREFETCH < j1 && j + PREFETCH != own) prefetch_block(k, table[j + PREFETCH], H, bs, D);
+        else if (jv >= j0 && jv != own) prefetch_block(v, table[jv], H, bs, D); /* P.V's first */
         for (int h = 0; h < H; h++) {
-            if (j + PREFETCH < j1 && j + PREFETCH != own) prefetch_block(k, table[j + PREFETCH], H, bs, D, h, H);
-            else if (jv >= j0 && jv != own) prefetch_block(v, table[jv], H, bs, D, h, H); /* P.V's first */
             const float *qk = qp + h * G * D;
             for (int g = 0; g < G; g++) bias[g] = 0.0f;
             if (j != own && fold) { /* q.(raw * s + z) = (q * s).raw + q.z */
@@ -287,18 +267,6 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
                 }
                 qk = qs;
             }
-#if PD_VNNI
-            if (j != own && k_int) {
-                for (int g = 0; g < G; g++) qa[g] = quantize_i16(qk + g * D, D, q16 + g * D);
-                for (int t0 = 0; t0 < nj; t0 += TILE) {
-                    int nt = nj - t0 < TILE ? nj - t0 : TILE;
-                    __m512 tsc = load_tile_i16(k, table, j, t0, nt, h, H, bs, D, 0, tile16);
-                    tile_scores_i16(q16, qa, bias, G, D, tile16, tsc, nt,
-                                    scores + h * G * n + (int64_t)j * bs - base + t0, n);
-                }
-                continue;
-            }
-#endif
             for (int t0 = 0; t0 < nj; t0 += TILE) {
                 int nt = nj - t0 < TILE ? nj - t0 : TILE;
                 load_tile(k, table, j, own, own_k, own_kind, slot, t0, nt, h, H, bs, D, fold,
@@ -312,19 +280,8 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
     memset(acc, 0, sizeof(float) * H * G * D);
     for (int j = j0; j < j1; j++) { /* P.V */
         int nj = (int)(L - (int64_t)j * bs < bs ? L - (int64_t)j * bs : bs);
+        if (j + PREFETCH < j1 && j + PREFETCH != own) prefetch_block(v, table[j + PREFETCH], H, bs, D);
         for (int h = 0; h < H; h++) {
-            if (j + PREFETCH < j1 && j + PREFETCH != own) prefetch_block(v, table[j + PREFETCH], H, bs, D, h, H);
-#if PD_VNNI
-            if (j != own && v_int) {
-                for (int t0 = 0; t0 < nj; t0 += TILE) {
-                    int nt = nj - t0 < TILE ? nj - t0 : TILE;
-                    __m512 tsc = load_tile_i16(v, table, j, t0, nt, h, H, bs, D, 1, tile16);
-                    tile_values_i16(scores + h * G * n + (int64_t)j * bs - base + t0, n, G, D,
-                                    tile16, tsc, nt, accq + h * G * D);
-                }
-                continue;
-            }
-#endif
             if (j != own) block_scale(v, table[j], h, H, D, bsc, bz);
             for (int t0 = 0; t0 < nj; t0 += TILE) {
                 int nt = nj - t0 < TILE ? nj - t0 : TILE;
@@ -335,11 +292,6 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
             }
         }
     }
-#if PD_VNNI
-    if (v_int)
-        for (int i = 0; i < H * G; i++)
-            for (int a = 0; a < D; a++) acc[i * D + pair_pos(a)] += accq[i * D + a];
-#endif
     if (v->kind == KIND_U4) /* acc back to channel order */
         for (int i = 0; i < H * G; i++) {
             float natural[D];
