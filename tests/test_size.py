@@ -18,7 +18,7 @@ CORE_BUDGET, MODULE_MAX = 3000, 300
 # protocol, attention and the kernel glue, start-up memory, the runner, the engine and its
 # stats snapshot.
 CORE = ["config.py", "stats.py", "sequence.py", "sampling_params.py", "sampling.py",
-        "choices.py", "outputs.py", "model/*.py", "kv/*.py", "metadata.py", "attention.py",
+        "choices.py", "outputs.py", "model/*.py", "kv/*.py", "metadata.py", "attention.py", "prefill.py",
         "kernels/*.py", "scheduler.py", "memory.py", "runner.py", "engine.py",
         "engine_stats.py"]
 # Plug-ins: the core calls them through a protocol (kv/connector.py's KVConnector,
