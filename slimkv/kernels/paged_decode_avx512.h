@@ -139,16 +139,29 @@ rows16(const char *base, size_t stride, int nt, const int kind, const int D, flo
 
 /* nt int4 rows (row r at base + r * stride) into tile rows in load_raw's order (low nibbles,
  * then high ones), per-token group scales applied when `scale` is given (gs: elements per
- * group within each half; a multiple of 16). */
+ * group within each half; a multiple of 16). Each 16 bytes are widened to 32-bit lanes
+ * straight from memory. `centered` rows hold 16 * (x - 8) instead of x, exactly and in as
+ * many operations: the nibble is or-ed into the mantissa of a float whose last place is 16
+ * (low nibble, 2^27) or that holds it 16 times already (high nibble, 2^23), then 2^e + 128
+ * subtracted (group_scales16 gives such rows their scale / 16 and zero + 8 * scale). */
 static inline __attribute__((always_inline)) void
 rows16_u4(const uint8_t *base, size_t stride, int nt, const int D, const _Float16 *scale,
-          const _Float16 *zero, size_t scale_stride, int gs, float *tile) {
-    const __m128i low = _mm_set1_epi8(15);
+          const _Float16 *zero, size_t scale_stride, int gs, int centered, float *tile) {
+    const __m512i low = _mm512_set1_epi32(15), high = _mm512_set1_epi32(0xf0);
+    const __m512i e27 = _mm512_set1_epi32(0x4d000000), e23 = _mm512_set1_epi32(0x4b000000);
     for (int t = 0; t < nt; t++)
         for (int i = 0; i < D / 2; i += 16) {
-            __m128i x = _mm_loadu_si128((const __m128i *)(base + t * stride + i));
-            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(x, low)));
-            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(x, 4), low)));
+            __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(base + t * stride + i)));
+            __m512 lo, hi;
+            if (centered) { /* (x & mask) | exponent: ternary-logic 0xea */
+                lo = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_ternarylogic_epi32(x, low, e27, 0xea)),
+                                   _mm512_set1_ps(134217856.0f));
+                hi = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_ternarylogic_epi32(x, high, e23, 0xea)),
+                                   _mm512_set1_ps(8388736.0f));
+            } else {
+                lo = _mm512_cvtepi32_ps(_mm512_and_si512(x, low));
+                hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(x, 4));
+            }
             if (scale) {
                 size_t g = t * scale_stride + i / gs;
                 __m512 sc = _mm512_set1_ps((float)scale[g]), z = _mm512_set1_ps((float)zero[g]);
@@ -160,6 +173,42 @@ rows16_u4(const uint8_t *base, size_t stride, int nt, const int D, const _Float1
         }
 }
 
+/* The per-token group scales and zeros of nt int4 rows (row r's at (tok0 + r * H) * groups)
+ * as 16-token vectors for centered rows (see rows16_u4): gsc[g * TILE + r] = scale / 16,
+ * gz = zero + 8 * scale, rows past nt zero. Even group counts gather both halves of a group
+ * pair as one 32-bit lane. */
+static inline __attribute__((always_inline)) void
+group_scales16(const kv_side *s, size_t tok0, int nt, int H, float *gsc, float *gz) {
+    int groups = s->groups;
+    __mmask16 keep = (__mmask16)((1u << nt) - 1);
+    if (groups % 2) {
+        for (int g = 0; g < groups; g++)
+            for (int r = 0; r < TILE; r++) {
+                size_t i = (tok0 + (size_t)r * H) * groups + g;
+                gsc[g * TILE + r] = r < nt ? (float)s->scale[i] : 0.0f;
+                gz[g * TILE + r] = r < nt ? (float)s->zero[i] : 0.0f;
+            }
+    } else {
+        const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                _mm512_set1_epi32(H * groups / 2));
+        for (int side = 0; side < 2; side++) {
+            const _Float16 *src = (side ? s->zero : s->scale) + tok0 * groups;
+            float *dst = side ? gz : gsc;
+            for (int g = 0; g < groups; g += 2) {
+                __m512i x = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), keep, rows, src + g, 4);
+                _mm512_store_ps(dst + g * TILE, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x)));
+                _mm512_store_ps(dst + (g + 1) * TILE,
+                                _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(x, 16))));
+            }
+        }
+    }
+    for (int g = 0; g < groups; g++) {
+        __m512 sc = _mm512_load_ps(gsc + g * TILE);
+        _mm512_store_ps(gz + g * TILE, _mm512_fmadd_ps(sc, _mm512_set1_ps(8.0f), _mm512_load_ps(gz + g * TILE)));
+        _mm512_store_ps(gsc + g * TILE, _mm512_mul_ps(sc, _mm512_set1_ps(0.0625f)));
+    }
+}
+
 /* Rows t0 .. t0 + nt of head h of block j (the staged own block when j == own) into
  * tile[TILE][D] in load_raw's order, rows past nt zero; each row's remaining scale in rsc
  * (per-token 8-bit scales; 1 otherwise). Pool rows of every format are converted in vectors
@@ -168,7 +217,8 @@ rows16_u4(const uint8_t *base, size_t stride, int nt, const int D, const _Float1
 static inline __attribute__((always_inline)) void
 load_tile(const kv_side *s, const int64_t *table, int j, int own, const void *own_data,
           int own_kind, int64_t slot, int t0, int nt, int h, int H, int bs, const int D,
-          int folded, const float *bsc, const float *bz, float *tile, float *rsc) {
+          int folded, const float *bsc, const float *bz, float *tile, float *rsc, float *gsc,
+          float *gz) {
     int u4 = s->kind == KIND_U4, gs = u4 ? D / 2 / s->groups : 16;
     size_t tok0 = j == own ? 0 : ((size_t)table[j] * bs + t0) * H + h;
     size_t row_bytes = (size_t)s->width * elem_size(s->kind);
@@ -181,8 +231,11 @@ load_tile(const kv_side *s, const int64_t *table, int j, int own, const void *ow
             else rsc[t] = load_row(s, table[j], t0 + t, h, H, bs, D, folded, bsc, bz, tile + t * D);
         }
     } else if (u4) {
-        rows16_u4((const uint8_t *)base, H * row_bytes, nt, D, token_scale ? s->scale + tok0 * s->groups : NULL,
-                  token_scale ? s->zero + tok0 * s->groups : NULL, (size_t)H * s->groups, gs, tile);
+        int applied = token_scale && !gsc; /* else left to the caller in gsc/gz */
+        rows16_u4((const uint8_t *)base, H * row_bytes, nt, D, applied ? s->scale + tok0 * s->groups : NULL,
+                  applied ? s->zero + tok0 * s->groups : NULL, (size_t)H * s->groups, gs,
+                  token_scale && gsc, tile);
+        if (token_scale && gsc) group_scales16(s, tok0, nt, H, gsc, gz);
     } else {
         switch (s->kind) { /* literal kinds: one unrolled row loop each */
         case KIND_F32: rows16(base, H * row_bytes, nt, KIND_F32, D, tile); break;
@@ -238,6 +291,33 @@ tile_values(const float *p, int64_t stride, int G, const int D, const float *til
     }
 }
 
+/* tile_values for int4 rows left unscaled by load_tile: the group scale folds into the weight
+ * (p * scale[t, group] per group) and the zero into zacc[(g * groups + group) * TILE], a
+ * 16-token vector of p * zero that the caller adds to the group's channels once at the end. */
+static inline __attribute__((always_inline)) void
+tile_values_grouped(const float *p, int64_t stride, int G, const int D, const float *tile,
+                    const float *gsc, const float *gz, int groups, int gs, int nt, float *acc,
+                    float *zacc) {
+    __mmask16 keep = (__mmask16)((1u << nt) - 1);
+    for (int g = 0; g < G; g++) {
+        float w[MAX_D / 32][TILE] __attribute__((aligned(64)));
+        __m512 pv = _mm512_maskz_loadu_ps(keep, p + g * stride);
+        for (int c = 0; c < groups; c++) {
+            float *z = zacc + (g * groups + c) * TILE;
+            _mm512_store_ps(w[c], _mm512_mul_ps(pv, _mm512_load_ps(gsc + c * TILE)));
+            _mm512_storeu_ps(z, _mm512_fmadd_ps(pv, _mm512_load_ps(gz + c * TILE), _mm512_loadu_ps(z)));
+        }
+        __m512 o[MAX_D / 16];
+        for (int d = 0; d < D / 16; d++) o[d] = _mm512_loadu_ps(acc + g * D + 16 * d);
+        for (int t = 0; t < nt; t++)
+            for (int d = 0; d < D / 16; d++) {
+                __m512 wt = _mm512_set1_ps(w[(d % (D / 32)) * 16 / gs][t]);
+                o[d] = _mm512_fmadd_ps(wt, _mm512_load_ps(tile + t * D + 16 * d), o[d]);
+            }
+        for (int d = 0; d < D / 16; d++) _mm512_storeu_ps(acc + g * D + 16 * d, o[d]);
+    }
+}
+
 /* The Hq = H * G query heads q[Hq * D] of one sequence over its blocks [j0, j1) (positions
  * below L): per query head the max m, the sum of exp(score - m) and acc[D] = the sum of
  * exp(score - m) * v, not yet normalised. scores: [Hq, (j1 - j0) * bs] scratch. */
@@ -249,6 +329,11 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
     float tile[TILE * D] __attribute__((aligned(64))), rsc[TILE] __attribute__((aligned(64)));
     float bsc[D], bz[D], qp[H * G * D], qs[G * D], bias[G];
     int k_u4 = k->kind == KIND_U4, fold = k->scale_mode == SCALE_BLOCK;
+    int v_gs = v->kind == KIND_U4 ? D / 2 / v->groups : 0; /* int4 values: group scales folded */
+    int grouped = v_gs && v->scale_mode == SCALE_TOKEN && D % 32 == 0 && v_gs % 16 == 0;
+    int ng = grouped ? v->groups : 1;
+    float gsc[ng * TILE] __attribute__((aligned(64))), gz[ng * TILE] __attribute__((aligned(64)));
+    float zacc[H * G * ng * TILE];
     int64_t base = (int64_t)j0 * bs, n = (L < (int64_t)j1 * bs ? L : (int64_t)j1 * bs) - base;
     for (int i = 0; i < H * G; i++) /* q in the order K rows arrive in */
         for (int d = 0; d < D; d++) qp[i * D + permuted(d, k_u4, D)] = q[i * D + d] * sm_scale;
@@ -270,7 +355,7 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
             for (int t0 = 0; t0 < nj; t0 += TILE) {
                 int nt = nj - t0 < TILE ? nj - t0 : TILE;
                 load_tile(k, table, j, own, own_k, own_kind, slot, t0, nt, h, H, bs, D, fold,
-                          bsc, bz, tile, rsc);
+                          bsc, bz, tile, rsc, NULL, NULL);
                 tile_scores(qk, bias, G, D, tile, rsc, nt,
                             scores + h * G * n + (int64_t)j * bs - base + t0, n);
             }
@@ -278,6 +363,7 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
     }
     for (int i = 0; i < H * G; i++) m[i] = softmax_numerators(scores + i * n, n, sum + i);
     memset(acc, 0, sizeof(float) * H * G * D);
+    memset(zacc, 0, sizeof(zacc));
     for (int j = j0; j < j1; j++) { /* P.V */
         int nj = (int)(L - (int64_t)j * bs < bs ? L - (int64_t)j * bs : bs);
         if (j + PREFETCH < j1 && j + PREFETCH != own) prefetch_block(v, table[j + PREFETCH], H, bs, D);
@@ -285,13 +371,26 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
             if (j != own) block_scale(v, table[j], h, H, D, bsc, bz);
             for (int t0 = 0; t0 < nj; t0 += TILE) {
                 int nt = nj - t0 < TILE ? nj - t0 : TILE;
+                const float *p = scores + h * G * n + (int64_t)j * bs - base + t0;
+                int split = grouped && j != own;
                 load_tile(v, table, j, own, own_v, own_kind, slot, t0, nt, h, H, bs, D, 0, bsc,
-                          bz, tile, rsc);
-                tile_values(scores + h * G * n + (int64_t)j * bs - base + t0, n, G, D, tile, rsc,
-                            nt, acc + h * G * D);
+                          bz, tile, rsc, split ? gsc : NULL, gz);
+                if (split)
+                    tile_values_grouped(p, n, G, D, tile, gsc, gz, ng, v_gs, nt, acc + h * G * D,
+                                        zacc + h * G * ng * TILE);
+                else
+                    tile_values(p, n, G, D, tile, rsc, nt, acc + h * G * D);
             }
         }
     }
+    for (int i = 0; grouped && i < H * G; i++) /* the folded zeros: each group's channels */
+        for (int c = 0; c < ng; c++) {
+            float z = _mm512_reduce_add_ps(_mm512_loadu_ps(zacc + (i * ng + c) * TILE));
+            for (int d = c * v_gs; d < (c + 1) * v_gs; d++) {
+                acc[i * D + d] += z;
+                acc[i * D + D / 2 + d] += z;
+            }
+        }
     if (v->kind == KIND_U4) /* acc back to channel order */
         for (int i = 0; i < H * G; i++) {
             float natural[D];
