@@ -64,17 +64,21 @@ static inline __attribute__((always_inline)) float softmax_numerators(float *sc,
     return m;
 }
 
-/* Block blk (all heads' rows and their scales) on its way to L1. */
+/* Part `part` of `parts` of block blk (all heads' rows and their scales) on its way to L1:
+ * callers spread a block over its heads' tiles, as a burst of a whole block's lines stalls on
+ * the core's few outstanding misses (attn_ab 16 x 2K: int8 -11%, int4 -15%). */
 static inline __attribute__((always_inline)) void
-prefetch_block(const kv_side *s, int64_t blk, int H, int bs, const int D) {
+prefetch_block(const kv_side *s, int64_t blk, int H, int bs, const int D, int part, int parts) {
     size_t bytes = (size_t)bs * H * s->width * elem_size(s->kind);
     const char *base = (const char *)s->data + (size_t)blk * bytes;
-    for (size_t off = 0; off < bytes; off += 64) _mm_prefetch(base + off, _MM_HINT_T0);
+    size_t lines = (bytes + 63) / 64, l0 = lines * part / parts, l1 = lines * (part + 1) / parts;
+    for (size_t l = l0; l < l1; l++) _mm_prefetch(base + 64 * l, _MM_HINT_T0);
     size_t n = s->scale_mode == SCALE_BLOCK ? (size_t)H * D : (size_t)bs * H * s->groups;
     if (s->scale_mode == SCALE_NONE) return;
-    for (size_t off = 0; off < 2 * n; off += 64) {
-        _mm_prefetch((const char *)(s->scale + blk * n) + off, _MM_HINT_T0);
-        if (s->zero) _mm_prefetch((const char *)(s->zero + blk * n) + off, _MM_HINT_T0);
+    lines = (2 * n + 63) / 64, l0 = lines * part / parts, l1 = lines * (part + 1) / parts;
+    for (size_t l = l0; l < l1; l++) {
+        _mm_prefetch((const char *)(s->scale + blk * n) + 64 * l, _MM_HINT_T0);
+        if (s->zero) _mm_prefetch((const char *)(s->zero + blk * n) + 64 * l, _MM_HINT_T0);
     }
 }
 
@@ -339,9 +343,11 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
         for (int d = 0; d < D; d++) qp[i * D + permuted(d, k_u4, D)] = q[i * D + d] * sm_scale;
     for (int j = j0; j < j1; j++) { /* scores */
         int nj = (int)(L - (int64_t)j * bs < bs ? L - (int64_t)j * bs : bs), jv = j - j1 + PREFETCH + j0;
-        if (j + PREFETCH < j1 && j + PREFETCH != own) prefetch_block(k, table[j + PREFETCH], H, bs, D);
-        else if (jv >= j0 && jv != own) prefetch_block(v, table[jv], H, bs, D); /* P.V's first */
         for (int h = 0; h < H; h++) {
+            if (j + PREFETCH < j1 && j + PREFETCH != own)
+                prefetch_block(k, table[j + PREFETCH], H, bs, D, h, H);
+            else if (jv >= j0 && jv != own) /* P.V's first */
+                prefetch_block(v, table[jv], H, bs, D, h, H);
             const float *qk = qp + h * G * D;
             for (int g = 0; g < G; g++) bias[g] = 0.0f;
             if (j != own && fold) { /* q.(raw * s + z) = (q * s).raw + q.z */
@@ -366,8 +372,9 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
     memset(zacc, 0, sizeof(zacc));
     for (int j = j0; j < j1; j++) { /* P.V */
         int nj = (int)(L - (int64_t)j * bs < bs ? L - (int64_t)j * bs : bs);
-        if (j + PREFETCH < j1 && j + PREFETCH != own) prefetch_block(v, table[j + PREFETCH], H, bs, D);
         for (int h = 0; h < H; h++) {
+            if (j + PREFETCH < j1 && j + PREFETCH != own)
+                prefetch_block(v, table[j + PREFETCH], H, bs, D, h, H);
             if (j != own) block_scale(v, table[j], h, H, D, bsc, bz);
             for (int t0 = 0; t0 < nj; t0 += TILE) {
                 int nt = nj - t0 < TILE ? nj - t0 : TILE;
