@@ -213,6 +213,28 @@ group_scales16(const kv_side *s, size_t tok0, int nt, int H, float *gsc, float *
     }
 }
 
+/* The per-token scales of nt 8-bit rows (row r's at tok0 + r * H, tok0 a row of head h) as a
+ * 16-token vector in rsc. Up to 4 heads, the block's rows of all heads are read with masked
+ * loads (nothing past row nt) and this head's picked out with one permute. */
+static inline __attribute__((always_inline)) void
+token_scales16(const _Float16 *scale, size_t tok0, int h, int nt, int H, float *rsc) {
+    __mmask16 keep = (__mmask16)((1u << nt) - 1);
+    if (H > 4) {
+        for (int r = 0; r < nt; r++) rsc[r] = (float)scale[tok0 + (size_t)r * H];
+        return;
+    }
+    static const int16_t iota[32] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const _Float16 *src = scale + tok0 - h;
+    unsigned n = (unsigned)(nt * H);
+    __mmask32 m0 = n >= 32 ? 0xffffffffu : (1u << n) - 1;
+    __mmask32 m1 = n <= 32 ? 0 : n >= 64 ? 0xffffffffu : (1u << (n - 32)) - 1;
+    __m512i idx = _mm512_add_epi16(_mm512_mullo_epi16(_mm512_loadu_si512(iota), _mm512_set1_epi16((short)H)),
+                                   _mm512_set1_epi16((short)h));
+    __m512i x = _mm512_permutex2var_epi16(_mm512_maskz_loadu_epi16(m0, src), idx,
+                                          _mm512_maskz_loadu_epi16(m1, src + 32));
+    _mm512_store_ps(rsc, _mm512_maskz_mov_ps(keep, _mm512_cvtph_ps(_mm512_castsi512_si256(x))));
+}
+
 /* Rows t0 .. t0 + nt of head h of block j (the staged own block when j == own) into
  * tile[TILE][D] in load_raw's order, rows past nt zero; each row's remaining scale in rsc
  * (per-token 8-bit scales; 1 otherwise). Pool rows of every format are converted in vectors
@@ -249,8 +271,7 @@ load_tile(const kv_side *s, const int64_t *table, int j, int own, const void *ow
         case KIND_E4M3: rows16(base, H * row_bytes, nt, KIND_E4M3, D, tile); break;
         case KIND_E5M2: rows16(base, H * row_bytes, nt, KIND_E5M2, D, tile); break;
         }
-        if (token_scale)
-            for (int t = 0; t < nt; t++) rsc[t] = (float)s->scale[tok0 + (size_t)t * H];
+        if (token_scale) token_scales16(s->scale, tok0, h, nt, H, rsc);
     }
     for (int t = nt; t < TILE; t++) memset(tile + t * D, 0, sizeof(float) * D);
 }
