@@ -84,7 +84,8 @@ prefetch_block(const kv_side *s, int64_t blk, int H, int bs, const int D, int pa
 
 /* load_block_scale with vector conversions (int4 sides keep the scalar permuting loop). */
 static inline __attribute__((always_inline)) void
-block_scale(const kv_side *s, int64_t blk, int h, int H, const int D, float *bsc, float *bz) {
+block_scale(const kv_side *s, int64_t blk, int h, int H, const int D, float *bsc, float *bz,
+            int zeros) {
     if (s->scale_mode != SCALE_BLOCK || (s->kind == KIND_U4 && D % 32)) {
         load_block_scale(s, blk, h, H, D, bsc, bz);
         return;
@@ -97,7 +98,7 @@ block_scale(const kv_side *s, int64_t blk, int h, int H, const int D, float *bsc
     }
     const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    for (int side = 0; side < 2; side++) { /* int4: channel d to permuted(d): evens, then odds */
+    for (int side = 0; side < 1 + zeros; side++) { /* int4: channel d to permuted(d): evens, then odds */
         const _Float16 *src = side ? s->zero + ((size_t)blk * H + h) * D : sc;
         float *dst = side ? bz : bsc;
         for (int d = 0; d < D; d += 32) {
@@ -150,7 +151,7 @@ rows16(const char *base, size_t stride, int nt, const int kind, const int D, flo
  * subtracted (group_scales16 gives such rows their scale / 16 and zero + 8 * scale). */
 static inline __attribute__((always_inline)) void
 rows16_u4(const uint8_t *base, size_t stride, int nt, const int D, const _Float16 *scale,
-          const _Float16 *zero, size_t scale_stride, int gs, int centered, float *tile) {
+          const _Float16 *zero, size_t scale_stride, int gs, const int centered, float *tile) {
     const __m512i low = _mm512_set1_epi32(15), high = _mm512_set1_epi32(0xf0);
     const __m512i e27 = _mm512_set1_epi32(0x4d000000), e23 = _mm512_set1_epi32(0x4b000000);
     for (int t = 0; t < nt; t++)
@@ -182,7 +183,7 @@ rows16_u4(const uint8_t *base, size_t stride, int nt, const int D, const _Float1
  * gz = zero + 8 * scale, rows past nt zero. Even group counts gather both halves of a group
  * pair as one 32-bit lane. */
 static inline __attribute__((always_inline)) void
-group_scales16(const kv_side *s, size_t tok0, int nt, int H, float *gsc, float *gz) {
+group_scales16(const kv_side *s, size_t tok0, int h, int nt, int H, float *gsc, float *gz) {
     int groups = s->groups;
     __mmask16 keep = (__mmask16)((1u << nt) - 1);
     if (groups % 2) {
@@ -193,13 +194,30 @@ group_scales16(const kv_side *s, size_t tok0, int nt, int H, float *gsc, float *
                 gz[g * TILE + r] = r < nt ? (float)s->zero[i] : 0.0f;
             }
     } else {
-        const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                _mm512_set1_epi32(H * groups / 2));
+        /* rows of all heads: P 32-bit group pairs each; up to 64 pairs read with masked loads
+         * (nothing past row nt) and this head's picked out by permutes, else gathered */
+        int P = H * groups / 2;
+        unsigned n = (unsigned)(nt * P);
+        const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
         for (int side = 0; side < 2; side++) {
-            const _Float16 *src = (side ? s->zero : s->scale) + tok0 * groups;
+            const _Float16 *src = (side ? s->zero : s->scale) + (tok0 - h) * groups;
             float *dst = side ? gz : gsc;
+            __m512i part[4];
+            for (int r = 0; P <= 4 && r < 4; r++) {
+                unsigned left = n > 16u * r ? n - 16u * r : 0;
+                __mmask16 m = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+                part[r] = _mm512_maskz_loadu_epi32(m, (const int *)src + 16 * r);
+            }
             for (int g = 0; g < groups; g += 2) {
-                __m512i x = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), keep, rows, src + g, 4);
+                __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(iota, _mm512_set1_epi32(P)),
+                                               _mm512_set1_epi32((h * groups + g) / 2));
+                __m512i x;
+                if (P <= 4)
+                    x = _mm512_mask_blend_epi32(_mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32(32)),
+                                                _mm512_permutex2var_epi32(part[0], idx, part[1]),
+                                                _mm512_permutex2var_epi32(part[2], idx, part[3]));
+                else
+                    x = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), keep, idx, src, 4);
                 _mm512_store_ps(dst + g * TILE, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x)));
                 _mm512_store_ps(dst + (g + 1) * TILE,
                                 _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(x, 16))));
@@ -257,11 +275,17 @@ load_tile(const kv_side *s, const int64_t *table, int j, int own, const void *ow
             else rsc[t] = load_row(s, table[j], t0 + t, h, H, bs, D, folded, bsc, bz, tile + t * D);
         }
     } else if (u4) {
-        int applied = token_scale && !gsc; /* else left to the caller in gsc/gz */
-        rows16_u4((const uint8_t *)base, H * row_bytes, nt, D, applied ? s->scale + tok0 * s->groups : NULL,
-                  applied ? s->zero + tok0 * s->groups : NULL, (size_t)H * s->groups, gs,
-                  token_scale && gsc, tile);
-        if (token_scale && gsc) group_scales16(s, tok0, nt, H, gsc, gz);
+        const uint8_t *rows = (const uint8_t *)base;
+        size_t sst = (size_t)H * s->groups;
+        if (token_scale && gsc) { /* scales left to the caller in gsc/gz; literal modes */
+            rows16_u4(rows, H * row_bytes, nt, D, NULL, NULL, 0, gs, 1, tile);
+            group_scales16(s, tok0, h, nt, H, gsc, gz);
+        } else if (token_scale) {
+            rows16_u4(rows, H * row_bytes, nt, D, s->scale + tok0 * s->groups,
+                      s->zero + tok0 * s->groups, sst, gs, 0, tile);
+        } else {
+            rows16_u4(rows, H * row_bytes, nt, D, NULL, NULL, 0, gs, 0, tile);
+        }
     } else {
         switch (s->kind) { /* literal kinds: one unrolled row loop each */
         case KIND_F32: rows16(base, H * row_bytes, nt, KIND_F32, D, tile); break;
@@ -276,23 +300,24 @@ load_tile(const kv_side *s, const int64_t *table, int j, int own, const void *ow
     for (int t = nt; t < TILE; t++) memset(tile + t * D, 0, sizeof(float) * D);
 }
 
-/* Scores of the G query heads qk[G * D] (bias[g] added) against a key tile, stored at
- * scores[g * stride] for the first nt tokens. */
+/* Scores of the G query heads qk[G * D] against a key tile, stored at scores[g * stride] for
+ * the first nt tokens. qz (or NULL): per head a vector whose lanes sum to a bias of every
+ * score, added to each token's accumulator before the reduction (for free: its first
+ * multiply becomes a multiply-add). */
 static inline __attribute__((always_inline)) void
-tile_scores(const float *qk, const float *bias, int G, const int D, const float *tile,
+tile_scores(const float *qk, const float *qz, int G, const int D, const float *tile,
             const float *rsc, int nt, float *scores, int64_t stride) {
     __mmask16 keep = (__mmask16)((1u << nt) - 1);
     __m512 tsc = _mm512_load_ps(rsc);
     for (int g = 0; g < G; g++) {
-        __m512 a[TILE];
+        __m512 a[TILE], z = qz ? _mm512_loadu_ps(qz + 16 * g) : _mm512_setzero_ps();
         for (int t = 0; t < TILE; t++) {
-            a[t] = _mm512_mul_ps(_mm512_loadu_ps(qk + g * D), _mm512_load_ps(tile + t * D));
+            a[t] = _mm512_fmadd_ps(_mm512_loadu_ps(qk + g * D), _mm512_load_ps(tile + t * D), z);
             for (int d = 16; d < D; d += 16)
                 a[t] = _mm512_fmadd_ps(_mm512_loadu_ps(qk + g * D + d),
                                        _mm512_load_ps(tile + t * D + d), a[t]);
         }
-        __m512 sc = _mm512_fmadd_ps(reduce16(a), tsc, _mm512_set1_ps(bias[g]));
-        _mm512_mask_storeu_ps(scores + g * stride, keep, sc);
+        _mm512_mask_storeu_ps(scores + g * stride, keep, _mm512_mul_ps(reduce16(a), tsc));
     }
 }
 
@@ -352,7 +377,7 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
             const void *own_v, int own_kind, float sm_scale, int j0, int j1, float *scores,
             float *m, float *sum, float *acc) {
     float tile[TILE * D] __attribute__((aligned(64))), rsc[TILE] __attribute__((aligned(64)));
-    float bsc[D], bz[D], qp[H * G * D], qs[G * D], bias[G];
+    float bsc[D], bz[D], qp[H * G * D], qs[G * D], qz[G * 16];
     int k_u4 = k->kind == KIND_U4, fold = k->scale_mode == SCALE_BLOCK;
     int v_gs = v->kind == KIND_U4 ? D / 2 / v->groups : 0; /* int4 values: group scales folded */
     int grouped = v_gs && v->scale_mode == SCALE_TOKEN && D % 32 == 0 && v_gs % 16 == 0;
@@ -370,20 +395,29 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
             else if (jv >= j0 && jv != own) /* P.V's first */
                 prefetch_block(v, table[jv], H, bs, D, h, H);
             const float *qk = qp + h * G * D;
-            for (int g = 0; g < G; g++) bias[g] = 0.0f;
+            int zeroed = j != own && fold && k->zero;
             if (j != own && fold) { /* q.(raw * s + z) = (q * s).raw + q.z */
-                block_scale(k, table[j], h, H, D, bsc, bz);
-                for (int g = 0; g < G; g++) {
+                block_scale(k, table[j], h, H, D, bsc, bz, 0);
+                for (int g = 0; g < G; g++)
                     for (int d = 0; d < D; d++) qs[g * D + d] = qk[g * D + d] * bsc[d];
-                    if (k->zero) bias[g] = dot(qk + g * D, bz, D);
-                }
                 qk = qs;
+            }
+            if (zeroed) { /* q.z in channel order: 16 lanes per head (see tile_scores) */
+                const _Float16 *z = k->zero + ((size_t)table[j] * H + h) * D;
+                for (int g = 0; g < G; g++) {
+                    const float *qg = q + (size_t)(h * G + g) * D;
+                    __m512 sum = _mm512_setzero_ps();
+                    for (int d = 0; d < D; d += 16)
+                        sum = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(qg + d), _mm512_set1_ps(sm_scale)),
+                                              _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(z + d))), sum);
+                    _mm512_storeu_ps(qz + 16 * g, sum);
+                }
             }
             for (int t0 = 0; t0 < nj; t0 += TILE) {
                 int nt = nj - t0 < TILE ? nj - t0 : TILE;
                 load_tile(k, table, j, own, own_k, own_kind, slot, t0, nt, h, H, bs, D, fold,
                           bsc, bz, tile, rsc, NULL, NULL);
-                tile_scores(qk, bias, G, D, tile, rsc, nt,
+                tile_scores(qk, zeroed ? qz : NULL, G, D, tile, rsc, nt,
                             scores + h * G * n + (int64_t)j * bs - base + t0, n);
             }
         }
@@ -396,7 +430,7 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
         for (int h = 0; h < H; h++) {
             if (j + PREFETCH < j1 && j + PREFETCH != own)
                 prefetch_block(v, table[j + PREFETCH], H, bs, D, h, H);
-            if (j != own) block_scale(v, table[j], h, H, D, bsc, bz);
+            if (j != own) block_scale(v, table[j], h, H, D, bsc, bz, 1);
             for (int t0 = 0; t0 < nj; t0 += TILE) {
                 int nt = nj - t0 < TILE ? nj - t0 : TILE;
                 const float *p = scores + h * G * n + (int64_t)j * bs - base + t0;
