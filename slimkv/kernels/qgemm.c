@@ -30,6 +30,13 @@
 #define QG_NATIVE 0
 #endif
 
+#if defined(__x86_64__) && defined(__AVX512F__) && defined(__GLIBC__)
+/* expf 16 lanes at a time from glibc's libmvec (which -lm links as needed), as
+ * -ffast-math would declare it, without fast-math's finite-math assumptions */
+#pragma omp declare simd notinbranch simdlen(16)
+float expf(float);
+#endif
+
 enum { IN_PLAIN = 0, IN_RMSNORM = 1, IN_SILU_MUL = 2, IN_PRECISE = 4, IN_FLOAT = 8 }; /* 4, 8: OR'ed */
 #ifndef QG_MT
 #define QG_MT 4 /* activation rows per weight pass */
@@ -41,14 +48,14 @@ enum { MT = QG_MT };
 
 int qgemm_native(void) { return QG_NATIVE; }
 
-/* Row m of the input as the matmul sees it (normalised / SiLU-multiplied), then int8 per
+/* Row m of the input as the matmul sees it (input_row), then int8 per
  * group of 32: qa [K], ad [K/32], as [K/32]. IN_PRECISE: the rounding residual is quantized
  * too, as a second row (qa + K, ad + K/32, as + K/32), and the two rows' outputs are summed:
  * ~15-bit activations at the cost of a second dot product per weight load. */
-static void quantize_row(const float *x, int K, int mode, const float *norm_w, float eps,
-                         float *tmp, int8_t *qa, float *ad, float *as) {
-    int precise = mode & IN_PRECISE, flt = mode & IN_FLOAT;
-    mode &= ~(IN_PRECISE | IN_FLOAT);
+/* Row x [K] (x [2K] = [gate | up] for IN_SILU_MUL) as the matmul sees it: normalised,
+ * SiLU-multiplied or as it is, into tmp [K]. */
+static void input_row(const float *x, int K, int mode, const float *norm_w, float eps,
+                      float *tmp) {
     if (mode == IN_RMSNORM) {
         float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
@@ -62,6 +69,12 @@ static void quantize_row(const float *x, int K, int mode, const float *norm_w, f
     } else {
         memmove(tmp, x, sizeof(float) * K);
     }
+}
+
+static void quantize_row(const float *x, int K, int mode, const float *norm_w, float eps,
+                         float *tmp, int8_t *qa, float *ad, float *as) {
+    int precise = mode & IN_PRECISE, flt = mode & IN_FLOAT;
+    input_row(x, K, mode & ~(IN_PRECISE | IN_FLOAT), norm_w, eps, tmp);
     if (flt) { /* IN_FLOAT: the row stays float (tmp), as holds its group sums */
         for (int b = 0; b < K / 32; b++) {
             float sum = 0.0f;
@@ -387,6 +400,19 @@ void qgemm(const float *x, int M, int K, int x_stride, int mode, const float *no
     free(xf);
 }
 
+static inline float bf16_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t float_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
 static inline void store_row(const float *v, void *out, size_t at, int out_bf16) {
     if (!out_bf16) {
         memcpy((float *)out + at, v, sizeof(float) * 32);
@@ -394,18 +420,14 @@ static inline void store_row(const float *v, void *out, size_t at, int out_bf16)
     }
     uint16_t *o = (uint16_t *)out + at;
 #if defined(__AVX512BF16__)
-    /* the same round to nearest even in one instruction (no denormals occur here: the
-     * values are d * q + m of float16 d and m) */
+    /* the same round to nearest even in one instruction, except that it flushes float32
+     * denormals (|v| < 1.2e-38) to zero: none occur in weights (d * q + m of float16 d, m) */
     _mm512_storeu_si512(o, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(v + 16),
                                                          _mm512_loadu_ps(v)));
     return;
 #endif
 #pragma omp simd
-    for (int j = 0; j < 32; j++) { /* round to nearest even, as torch does */
-        uint32_t u;
-        memcpy(&u, &v[j], 4);
-        o[j] = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-    }
+    for (int j = 0; j < 32; j++) o[j] = float_bf16(v[j]);
 }
 
 /* W [N, K] (repacked layout) as float32 (out_bf16 = 0) or bfloat16 (1, round to nearest
@@ -434,6 +456,31 @@ void qdequant(const uint8_t *w, int bits, int N, int K, void *out, int out_bf16)
         }
 }
 
+/* The GEMM path's input (many rows, slimkv.model.quant): rows of x [M, x_stride] (float32,
+ * or bfloat16 with x_bf16) through input_row, stored to out [M, K] as float32 or bfloat16
+ * (out_bf16, round to nearest even): one pass instead of a torch op per step. K must be a
+ * multiple of 32. */
+void prep_rows(const void *x, int x_bf16, int M, int K, int x_stride, int mode,
+               const float *norm_w, float eps, void *out, int out_bf16) {
+#pragma omp parallel if (M > 1)
+    {
+        float *wide = malloc(sizeof(float) * ((size_t)x_stride + K)), *tmp = wide + x_stride;
+#pragma omp for schedule(static)
+        for (int r = 0; r < M; r++) {
+            const float *row = (const float *)x + (size_t)r * x_stride;
+            if (x_bf16) {
+                const uint16_t *h = (const uint16_t *)x + (size_t)r * x_stride;
+#pragma omp simd
+                for (int k = 0; k < x_stride; k++) wide[k] = bf16_float(h[k]);
+                row = wide;
+            }
+            input_row(row, K, mode, norm_w, eps, tmp);
+            for (int b = 0; b < K; b += 32) store_row(tmp + b, out, (size_t)r * K + b, out_bf16);
+        }
+        free(wide);
+    }
+}
+
 /* RoPE (rotate-half layout) in place on the first `heads` heads of each row of x
  * [T, stride] float32, with cos/sin [T, D] float32 of each row's position. */
 void rope_inplace(float *x, int T, int stride, int heads, int D, const float *cos,
@@ -450,5 +497,26 @@ void rope_inplace(float *x, int T, int stride, int heads, int D, const float *co
                 v[d + half] = b * c[d + half] + a * s[d + half];
             }
         }
+    }
+}
+
+/* rope_inplace on x [T, stride] bfloat16: each row's heads widened to float32, rotated,
+ * rounded back to nearest even (what rope_inplace then a torch cast give). */
+void rope_bf16(uint16_t *x, int T, int stride, int heads, int D, const float *cos,
+               const float *sin) {
+    int n = heads * D;
+#pragma omp parallel if (T > 1)
+    {
+        float *row = malloc(sizeof(float) * n);
+#pragma omp for schedule(static)
+        for (int t = 0; t < T; t++) {
+            uint16_t *h = x + (size_t)t * stride;
+#pragma omp simd
+            for (int k = 0; k < n; k++) row[k] = bf16_float(h[k]);
+            rope_inplace(row, 1, n, heads, D, cos + (size_t)t * D, sin + (size_t)t * D);
+#pragma omp simd
+            for (int k = 0; k < n; k++) h[k] = float_bf16(row[k]);
+        }
+        free(row);
     }
 }
