@@ -217,3 +217,5 @@ def test_gemm_path_input_and_rope_equal_torch_ops(dtype: torch.dtype) -> None:
     kernel.rope(narrow, 4, 16, cos, sin)
     assert torch.equal(narrow, wide.bfloat16())
     assert torch.equal(narrow[:, 64:], qkv[:, 64:].bfloat16())  # past `heads`: untouched
+    out, y = torch.randn(70, 80, generator=gen), qkv.bfloat16()
+    assert torch.equal(kernel.add_into(out.clone(), y), out + y.float())  # the residual add

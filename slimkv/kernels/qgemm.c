@@ -481,6 +481,13 @@ void prep_rows(const void *x, int x_bf16, int M, int K, int x_stride, int mode,
     }
 }
 
+/* out [n] float32 += y [n] bfloat16 (exact widening, one float32 add each): the GEMM
+ * path's residual add, without torch's mixed-dtype iterator. */
+void add_bf16(float *out, const uint16_t *y, size_t n) {
+#pragma omp parallel for simd schedule(static) if (n > 65536)
+    for (size_t i = 0; i < n; i++) out[i] += bf16_float(y[i]);
+}
+
 /* RoPE (rotate-half layout) in place on the first `heads` heads of each row of x
  * [T, stride] float32, with cos/sin [T, D] float32 of each row's position. */
 void rope_inplace(float *x, int T, int stride, int heads, int D, const float *cos,

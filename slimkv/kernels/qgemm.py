@@ -76,6 +76,9 @@ class QGemm:
         for fn in self._rope.values():
             fn.argtypes = [ptr, i32, i32, i32, i32, ptr, ptr]
             fn.restype = None
+        self._add = lib.add_bf16
+        self._add.argtypes = [ptr, ptr, ctypes.c_size_t]
+        self._add.restype = None
         self._prep = lib.prep_rows
         self._prep.argtypes = [ptr, i32, i32, i32, i32, i32, ptr, ctypes.c_float, ptr, i32]
         self._prep.restype = None
@@ -119,6 +122,14 @@ class QGemm:
                    None if norm_weight is None else norm_weight.data_ptr(), eps, y.data_ptr(),
                    int(bf16))
         return y.to(dtype)
+
+    def add_into(self, out: Tensor, y: Tensor) -> Tensor:
+        """``out += y`` (float32 ``out``; the exact values of ``y`` in any dtype), returned."""
+        if out.dtype == torch.float32 and y.dtype == torch.bfloat16 and out.is_contiguous() \
+                and y.is_contiguous() and out.shape == y.shape:
+            self._add(out.data_ptr(), y.data_ptr(), out.numel())
+            return out
+        return out.add_(y)
 
     def rope(self, x: Tensor, heads: int, head_dim: int, cos: Tensor, sin: Tensor) -> None:
         """RoPE in place on the first ``heads`` heads of each row of ``x [T, width]``

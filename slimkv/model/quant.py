@@ -153,7 +153,7 @@ class QuantLinear(nn.Module):
             y = F.linear(self._prepare(x, mode, norm), self.kernel.dequantize(
                 self.packed, self.out_features, self.dtype))
             if out is not None:  # float32 out += y in dtype adds y's exact values
-                y = out.add_(y)
+                y = self.kernel.add_into(out, y)
             elif not keep or self.bias is not None or self.dtype not in ROW_DTYPES:
                 y = y.float()
         else:
