@@ -433,8 +433,59 @@ static inline void store_row(const float *v, void *out, size_t at, int out_bf16)
 /* W [N, K] (repacked layout) as float32 (out_bf16 = 0) or bfloat16 (1, round to nearest
  * even): for matmuls with many activation rows, where a float GEMM beats the dot products.
  * A tile's group at a time: its 16 rows' code bytes gathered back into the original order. */
+#if QG_NATIVE && defined(__AVX512BF16__)
+enum { RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC };
+
+/* 16 codes x (4 codes of rows r0..r0+3: row r0 + l / 4 in lane l, its elements e..e+3)
+ * as d * q + m (two roundings, never fused) in bfloat16, stored at out + row * K + e. */
+static inline __attribute__((always_inline)) void
+dequant_quad(__m128i x, __m512 d, __m512 m, int r0, uint16_t *out, size_t K, int e, int nrows) {
+    const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(r0), _mm512_srli_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2));
+    __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x));
+    __m512 v = _mm512_add_round_ps(_mm512_mul_round_ps(q, _mm512_permutexvar_ps(idx, d), RN),
+                                   _mm512_permutexvar_ps(idx, m), RN);
+    uint64_t rows[4];
+    _mm256_storeu_si256((__m256i *)rows, (__m256i)_mm512_cvtneps_pbh(v));
+    for (int i = 0; i < 4 && r0 + i < nrows; i++) memcpy(out + (r0 + i) * K + e, &rows[i], 8);
+}
+
+/* qdequant to bfloat16, a tile's group at a time straight from the repacked chunks: each
+ * 16-byte quarter of a chunk is 4 rows x 4 codes, written as 4 pieces of 8 bytes. */
+static void qdequant_bf16(const uint8_t *w, int bits, int N, int K, uint16_t *out) {
+    int nb = K / 32, GB = group_bytes(bits), CB = code_bytes(bits);
+    const __m128i low = _mm_set1_epi8(15);
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < (N + 15) / 16; t++)
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *g = w + ((size_t)t * nb + b) * GB;
+            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + CB)));
+            __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + CB + 32)));
+            uint16_t *o = out + (size_t)t * 16 * K + b * 32;
+            int nrows = N - t * 16 < 16 ? N - t * 16 : 16;
+            for (int c = 0; c < CB / 64; c++)
+                for (int r0 = 0; r0 < 16; r0 += 4) {
+                    __m128i x = _mm_loadu_si128((const __m128i *)(g + c * 64 + 4 * r0));
+                    if (bits == 8) {
+                        dequant_quad(x, d, m, r0, o, K, 4 * c, nrows);
+                    } else { /* low nibbles: elements 4c.., high nibbles: 16 + 4c.. */
+                        dequant_quad(_mm_and_si128(x, low), d, m, r0, o, K, 4 * c, nrows);
+                        dequant_quad(_mm_and_si128(_mm_srli_epi16(x, 4), low), d, m, r0, o, K,
+                                     16 + 4 * c, nrows);
+                    }
+                }
+        }
+}
+#endif
+
 void qdequant(const uint8_t *w, int bits, int N, int K, void *out, int out_bf16) {
     int nb = K / 32, GB = group_bytes(bits), chunks = code_bytes(bits) / 64;
+#if QG_NATIVE && defined(__AVX512BF16__)
+    if (out_bf16) {
+        qdequant_bf16(w, bits, N, K, out);
+        return;
+    }
+#endif
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < (N + 15) / 16; t++)
         for (int b = 0; b < nb; b++) {
