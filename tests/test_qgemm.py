@@ -193,3 +193,29 @@ def test_float_activations_equal_the_dequantized_matmul(bits: int, shape: tuple[
         expect = residual.double() + ref @ wf.T
         torch.testing.assert_close(out.double(), expect, rtol=0,
                                    atol=1e-5 * float(expect.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemm_path_input_and_rope_equal_torch_ops(dtype: torch.dtype) -> None:
+    """QGemm.prep (the GEMM path's input: RMSNorm, SiLU-mul, plain, rounded once to the
+    model dtype) and RoPE on bfloat16 rows against the torch ops they replace."""
+    gen, kernel, k = _gen(11), qgemm_kernel(), 96
+    norm, x = Norm(k, gen), 3 * torch.randn(70, k, generator=gen)
+    gate_up = (4 * torch.randn(70, 2 * k, generator=gen)).to(dtype)
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight
+    silu = torch.nn.functional.silu(gate_up[:, :k].float()) * gate_up[:, k:].float()
+    close = dict(rtol=2e-6 if dtype == torch.float32 else 8e-3, atol=1e-30)
+    for got, want in ((kernel.prep(x, RMSNORM, norm.weight, norm.eps, dtype), normed),
+                      (kernel.prep(gate_up, SILU_MUL, None, 0.0, dtype), silu),
+                      (kernel.prep(x, PLAIN, None, 0.0, dtype), x)):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want.to(dtype).float(), **close)
+    qkv, cos, sin = (torch.randn(70, 5 * 16, generator=gen) for _ in range(3))
+    cos, sin = cos[:, :16], sin[:, :16]
+    wide, narrow = qkv.bfloat16().float(), qkv.bfloat16()
+    kernel.rope(wide, 4, 16, cos, sin)
+    kernel.rope(narrow, 4, 16, cos, sin)
+    assert torch.equal(narrow, wide.bfloat16())
+    assert torch.equal(narrow[:, 64:], qkv[:, 64:].bfloat16())  # past `heads`: untouched
+    out, y = torch.randn(70, 80, generator=gen), qkv.bfloat16()
+    assert torch.equal(kernel.add_into(out.clone(), y), out + y.float())  # the residual add

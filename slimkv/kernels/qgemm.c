@@ -30,6 +30,13 @@
 #define QG_NATIVE 0
 #endif
 
+#if defined(__x86_64__) && defined(__AVX512F__) && defined(__GLIBC__)
+/* expf 16 lanes at a time from glibc's libmvec (which -lm links as needed), as
+ * -ffast-math would declare it, without fast-math's finite-math assumptions */
+#pragma omp declare simd notinbranch simdlen(16)
+float expf(float);
+#endif
+
 enum { IN_PLAIN = 0, IN_RMSNORM = 1, IN_SILU_MUL = 2, IN_PRECISE = 4, IN_FLOAT = 8 }; /* 4, 8: OR'ed */
 #ifndef QG_MT
 #define QG_MT 4 /* activation rows per weight pass */
@@ -41,14 +48,14 @@ enum { MT = QG_MT };
 
 int qgemm_native(void) { return QG_NATIVE; }
 
-/* Row m of the input as the matmul sees it (normalised / SiLU-multiplied), then int8 per
+/* Row m of the input as the matmul sees it (input_row), then int8 per
  * group of 32: qa [K], ad [K/32], as [K/32]. IN_PRECISE: the rounding residual is quantized
  * too, as a second row (qa + K, ad + K/32, as + K/32), and the two rows' outputs are summed:
  * ~15-bit activations at the cost of a second dot product per weight load. */
-static void quantize_row(const float *x, int K, int mode, const float *norm_w, float eps,
-                         float *tmp, int8_t *qa, float *ad, float *as) {
-    int precise = mode & IN_PRECISE, flt = mode & IN_FLOAT;
-    mode &= ~(IN_PRECISE | IN_FLOAT);
+/* Row x [K] (x [2K] = [gate | up] for IN_SILU_MUL) as the matmul sees it: normalised,
+ * SiLU-multiplied or as it is, into tmp [K]. */
+static void input_row(const float *x, int K, int mode, const float *norm_w, float eps,
+                      float *tmp) {
     if (mode == IN_RMSNORM) {
         float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
@@ -62,6 +69,12 @@ static void quantize_row(const float *x, int K, int mode, const float *norm_w, f
     } else {
         memmove(tmp, x, sizeof(float) * K);
     }
+}
+
+static void quantize_row(const float *x, int K, int mode, const float *norm_w, float eps,
+                         float *tmp, int8_t *qa, float *ad, float *as) {
+    int precise = mode & IN_PRECISE, flt = mode & IN_FLOAT;
+    input_row(x, K, mode & ~(IN_PRECISE | IN_FLOAT), norm_w, eps, tmp);
     if (flt) { /* IN_FLOAT: the row stays float (tmp), as holds its group sums */
         for (int b = 0; b < K / 32; b++) {
             float sum = 0.0f;
@@ -387,6 +400,19 @@ void qgemm(const float *x, int M, int K, int x_stride, int mode, const float *no
     free(xf);
 }
 
+static inline float bf16_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t float_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
 static inline void store_row(const float *v, void *out, size_t at, int out_bf16) {
     if (!out_bf16) {
         memcpy((float *)out + at, v, sizeof(float) * 32);
@@ -394,25 +420,72 @@ static inline void store_row(const float *v, void *out, size_t at, int out_bf16)
     }
     uint16_t *o = (uint16_t *)out + at;
 #if defined(__AVX512BF16__)
-    /* the same round to nearest even in one instruction (no denormals occur here: the
-     * values are d * q + m of float16 d and m) */
+    /* the same round to nearest even in one instruction, except that it flushes float32
+     * denormals (|v| < 1.2e-38) to zero: none occur in weights (d * q + m of float16 d, m) */
     _mm512_storeu_si512(o, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(v + 16),
                                                          _mm512_loadu_ps(v)));
     return;
 #endif
 #pragma omp simd
-    for (int j = 0; j < 32; j++) { /* round to nearest even, as torch does */
-        uint32_t u;
-        memcpy(&u, &v[j], 4);
-        o[j] = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-    }
+    for (int j = 0; j < 32; j++) o[j] = float_bf16(v[j]);
 }
 
 /* W [N, K] (repacked layout) as float32 (out_bf16 = 0) or bfloat16 (1, round to nearest
  * even): for matmuls with many activation rows, where a float GEMM beats the dot products.
  * A tile's group at a time: its 16 rows' code bytes gathered back into the original order. */
+#if QG_NATIVE && defined(__AVX512BF16__)
+enum { RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC };
+
+/* 16 codes x (4 codes of rows r0..r0+3: row r0 + l / 4 in lane l, its elements e..e+3)
+ * as d * q + m (two roundings, never fused) in bfloat16, stored at out + row * K + e. */
+static inline __attribute__((always_inline)) void
+dequant_quad(__m128i x, __m512 d, __m512 m, int r0, uint16_t *out, size_t K, int e, int nrows) {
+    const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(r0), _mm512_srli_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2));
+    __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x));
+    __m512 v = _mm512_add_round_ps(_mm512_mul_round_ps(q, _mm512_permutexvar_ps(idx, d), RN),
+                                   _mm512_permutexvar_ps(idx, m), RN);
+    uint64_t rows[4];
+    _mm256_storeu_si256((__m256i *)rows, (__m256i)_mm512_cvtneps_pbh(v));
+    for (int i = 0; i < 4 && r0 + i < nrows; i++) memcpy(out + (r0 + i) * K + e, &rows[i], 8);
+}
+
+/* qdequant to bfloat16, a tile's group at a time straight from the repacked chunks: each
+ * 16-byte quarter of a chunk is 4 rows x 4 codes, written as 4 pieces of 8 bytes. */
+static void qdequant_bf16(const uint8_t *w, int bits, int N, int K, uint16_t *out) {
+    int nb = K / 32, GB = group_bytes(bits), CB = code_bytes(bits);
+    const __m128i low = _mm_set1_epi8(15);
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < (N + 15) / 16; t++)
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *g = w + ((size_t)t * nb + b) * GB;
+            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + CB)));
+            __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + CB + 32)));
+            uint16_t *o = out + (size_t)t * 16 * K + b * 32;
+            int nrows = N - t * 16 < 16 ? N - t * 16 : 16;
+            for (int c = 0; c < CB / 64; c++)
+                for (int r0 = 0; r0 < 16; r0 += 4) {
+                    __m128i x = _mm_loadu_si128((const __m128i *)(g + c * 64 + 4 * r0));
+                    if (bits == 8) {
+                        dequant_quad(x, d, m, r0, o, K, 4 * c, nrows);
+                    } else { /* low nibbles: elements 4c.., high nibbles: 16 + 4c.. */
+                        dequant_quad(_mm_and_si128(x, low), d, m, r0, o, K, 4 * c, nrows);
+                        dequant_quad(_mm_and_si128(_mm_srli_epi16(x, 4), low), d, m, r0, o, K,
+                                     16 + 4 * c, nrows);
+                    }
+                }
+        }
+}
+#endif
+
 void qdequant(const uint8_t *w, int bits, int N, int K, void *out, int out_bf16) {
     int nb = K / 32, GB = group_bytes(bits), chunks = code_bytes(bits) / 64;
+#if QG_NATIVE && defined(__AVX512BF16__)
+    if (out_bf16) {
+        qdequant_bf16(w, bits, N, K, out);
+        return;
+    }
+#endif
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < (N + 15) / 16; t++)
         for (int b = 0; b < nb; b++) {
@@ -434,6 +507,38 @@ void qdequant(const uint8_t *w, int bits, int N, int K, void *out, int out_bf16)
         }
 }
 
+/* The GEMM path's input (many rows, slimkv.model.quant): rows of x [M, x_stride] (float32,
+ * or bfloat16 with x_bf16) through input_row, stored to out [M, K] as float32 or bfloat16
+ * (out_bf16, round to nearest even): one pass instead of a torch op per step. K must be a
+ * multiple of 32. */
+void prep_rows(const void *x, int x_bf16, int M, int K, int x_stride, int mode,
+               const float *norm_w, float eps, void *out, int out_bf16) {
+#pragma omp parallel if (M > 1)
+    {
+        float *wide = malloc(sizeof(float) * ((size_t)x_stride + K)), *tmp = wide + x_stride;
+#pragma omp for schedule(static)
+        for (int r = 0; r < M; r++) {
+            const float *row = (const float *)x + (size_t)r * x_stride;
+            if (x_bf16) {
+                const uint16_t *h = (const uint16_t *)x + (size_t)r * x_stride;
+#pragma omp simd
+                for (int k = 0; k < x_stride; k++) wide[k] = bf16_float(h[k]);
+                row = wide;
+            }
+            input_row(row, K, mode, norm_w, eps, tmp);
+            for (int b = 0; b < K; b += 32) store_row(tmp + b, out, (size_t)r * K + b, out_bf16);
+        }
+        free(wide);
+    }
+}
+
+/* out [n] float32 += y [n] bfloat16 (exact widening, one float32 add each): the GEMM
+ * path's residual add, without torch's mixed-dtype iterator. */
+void add_bf16(float *out, const uint16_t *y, size_t n) {
+#pragma omp parallel for simd schedule(static) if (n > 65536)
+    for (size_t i = 0; i < n; i++) out[i] += bf16_float(y[i]);
+}
+
 /* RoPE (rotate-half layout) in place on the first `heads` heads of each row of x
  * [T, stride] float32, with cos/sin [T, D] float32 of each row's position. */
 void rope_inplace(float *x, int T, int stride, int heads, int D, const float *cos,
@@ -450,5 +555,26 @@ void rope_inplace(float *x, int T, int stride, int heads, int D, const float *co
                 v[d + half] = b * c[d + half] + a * s[d + half];
             }
         }
+    }
+}
+
+/* rope_inplace on x [T, stride] bfloat16: each row's heads widened to float32, rotated,
+ * rounded back to nearest even (what rope_inplace then a torch cast give). */
+void rope_bf16(uint16_t *x, int T, int stride, int heads, int D, const float *cos,
+               const float *sin) {
+    int n = heads * D;
+#pragma omp parallel if (T > 1)
+    {
+        float *row = malloc(sizeof(float) * n);
+#pragma omp for schedule(static)
+        for (int t = 0; t < T; t++) {
+            uint16_t *h = x + (size_t)t * stride;
+#pragma omp simd
+            for (int k = 0; k < n; k++) row[k] = bf16_float(h[k]);
+            rope_inplace(row, 1, n, heads, D, cos + (size_t)t * D, sin + (size_t)t * D);
+#pragma omp simd
+            for (int k = 0; k < n; k++) h[k] = float_bf16(row[k]);
+        }
+        free(row);
     }
 }

@@ -24,6 +24,7 @@ FLOAT = 8  # OR'ed into a mode: float activations (exact weight-only quantizatio
 
 
 TILE = 16  # output rows per tile of the repacked layout
+ROW_DTYPES = (torch.float32, torch.bfloat16)  # what QGemm.prep and QGemm.rope read and write
 
 
 def pack(q: Tensor, d: Tensor, m: Tensor, bits: int) -> Tensor:
@@ -71,9 +72,16 @@ class QGemm:
         self._dequant = lib.qdequant
         self._dequant.argtypes = [ptr, i32, i32, i32, ptr, i32]
         self._dequant.restype = None
-        self._rope = lib.rope_inplace
-        self._rope.argtypes = [ptr, i32, i32, i32, i32, ptr, ptr]
-        self._rope.restype = None
+        self._rope = {torch.float32: lib.rope_inplace, torch.bfloat16: lib.rope_bf16}
+        for fn in self._rope.values():
+            fn.argtypes = [ptr, i32, i32, i32, i32, ptr, ptr]
+            fn.restype = None
+        self._add = lib.add_bf16
+        self._add.argtypes = [ptr, ptr, ctypes.c_size_t]
+        self._add.restype = None
+        self._prep = lib.prep_rows
+        self._prep.argtypes = [ptr, i32, i32, i32, i32, i32, ptr, ctypes.c_float, ptr, i32]
+        self._prep.restype = None
 
     def __call__(self, x: Tensor, packed: Tensor, n: int, *, mode: int = PLAIN,
                  norm_weight: Tensor | None = None, eps: float = 0.0,
@@ -99,12 +107,37 @@ class QGemm:
         self._dequant(packed.data_ptr(), packed_bits(packed), n, k, w.data_ptr(), int(bf16))
         return w.to(dtype)
 
+    def prep(self, x: Tensor, mode: int, norm_weight: Tensor | None, eps: float,
+             dtype: torch.dtype) -> Tensor:
+        """What :meth:`__call__`'s input ``mode`` does to ``x [M, K]`` (``[M, 2K]`` for
+        SILU_MUL; float32 or bfloat16), in float32, rounded once to ``dtype``: the float
+        GEMM path's input, in one pass."""
+        if x.dtype not in ROW_DTYPES or not x.is_contiguous():
+            x = x.float().contiguous()
+        rows, width = x.shape
+        k = width // 2 if mode == SILU_MUL else width
+        bf16 = dtype == torch.bfloat16
+        y = torch.empty(rows, k, dtype=torch.bfloat16 if bf16 else torch.float32)
+        self._prep(x.data_ptr(), int(x.dtype == torch.bfloat16), rows, k, width, mode,
+                   None if norm_weight is None else norm_weight.data_ptr(), eps, y.data_ptr(),
+                   int(bf16))
+        return y.to(dtype)
+
+    def add_into(self, out: Tensor, y: Tensor) -> Tensor:
+        """``out += y`` (float32 ``out``; the exact values of ``y`` in any dtype), returned."""
+        if out.dtype == torch.float32 and y.dtype == torch.bfloat16 and out.is_contiguous() \
+                and y.is_contiguous() and out.shape == y.shape:
+            self._add(out.data_ptr(), y.data_ptr(), out.numel())
+            return out
+        return out.add_(y)
+
     def rope(self, x: Tensor, heads: int, head_dim: int, cos: Tensor, sin: Tensor) -> None:
         """RoPE in place on the first ``heads`` heads of each row of ``x [T, width]``
-        (float32, contiguous); ``cos``, ``sin``: float32 ``[T, head_dim]``."""
+        (float32, or bfloat16: rotated in float32, rounded to nearest even; contiguous);
+        ``cos``, ``sin``: float32 ``[T, head_dim]``."""
         cos, sin = cos.contiguous(), sin.contiguous()
-        self._rope(x.data_ptr(), x.shape[0], x.shape[1], heads, head_dim, cos.data_ptr(),
-                   sin.data_ptr())
+        self._rope[x.dtype](x.data_ptr(), x.shape[0], x.shape[1], heads, head_dim,
+                            cos.data_ptr(), sin.data_ptr())
 
 
 _KERNEL = build.Kernel(SOURCE, QGemm)

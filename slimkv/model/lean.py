@@ -46,13 +46,13 @@ class QuantBlock(nn.Module):
         """``x [T, hidden]`` float32, updated in place and returned; ``cos``, ``sin``
         float32 ``[T, 1, head_dim]`` (the model's tables are float32 once quantized)."""
         wqkv, wo, w13, w2, attention_norm, ffn_norm, layer, head_dim, hq, hqk = self._parts
-        qkv = wqkv.fused(x, RMSNORM, attention_norm)
+        qkv = wqkv.fused(x, RMSNORM, attention_norm, keep=True)
         wqkv.kernel.rope(qkv, hqk, head_dim, cos, sin)
-        # float32 views: the attention rounds them to the model dtype (in its kernel)
+        # float32 views (bfloat16 from a GEMM): the attention rounds them to the model dtype
         heads = qkv.view(x.shape[0], -1, head_dim)
         out = attn(layer, heads[:, :hq], heads[:, hq:hqk], heads[:, hqk:])
         wo.fused(out.reshape(x.shape[0], -1), out=x)
-        w2.fused(w13.fused(x, RMSNORM, ffn_norm), SILU_MUL, out=x)
+        w2.fused(w13.fused(x, RMSNORM, ffn_norm, keep=True), SILU_MUL, out=x)
         return x
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from slimkv.kernels.qgemm import (PLAIN, PRECISE, RMSNORM, SILU_MUL, QGemm, pack, qgemm_kernel,
+from slimkv.kernels.qgemm import (PLAIN, PRECISE, ROW_DTYPES, QGemm, pack, qgemm_kernel,
                                   unpack_rows)
 
 GROUP = 32
@@ -145,13 +145,17 @@ class QuantLinear(nn.Module):
         return QuantTensor(*unpack_rows(self.packed, rows), self.bits)
 
     def fused(self, x: Tensor, mode: int = PLAIN, norm: nn.Module | None = None,
-              out: Tensor | None = None) -> Tensor:
-        """float32 ``f(x) . W^T (+ bias)``, added into ``out`` when given (see QGemm)."""
+              out: Tensor | None = None, keep: bool = False) -> Tensor:
+        """float32 ``f(x) . W^T (+ bias)``, added into ``out`` when given (see QGemm).
+        ``keep``: the GEMM path's result (no bias, no ``out``) stays in ``dtype``, for a
+        consumer that reads that dtype (RoPE, a SiLU-mul input) without a float32 copy."""
         if x.shape[0] > self.kernel_rows:
-            y = F.linear(_prepare(x, mode, norm, self.dtype), self.kernel.dequantize(
+            y = F.linear(self._prepare(x, mode, norm), self.kernel.dequantize(
                 self.packed, self.out_features, self.dtype))
-            # float32 out += y in dtype adds y's exact values: no float32 copy of y needed
-            y = y.float() if out is None else out.add_(y)
+            if out is not None:  # float32 out += y in dtype adds y's exact values
+                y = self.kernel.add_into(out, y)
+            elif not keep or self.bias is not None or self.dtype not in ROW_DTYPES:
+                y = y.float()
         else:
             weight = None if norm is None else _float32(norm.weight)
             y = self.kernel(_float32(x), self.packed, self.out_features,
@@ -161,6 +165,14 @@ class QuantLinear(nn.Module):
             y += self.bias
         return y
 
+    def _prepare(self, x: Tensor, mode: int, norm: nn.Module | None) -> Tensor:
+        """The GEMM path's input: what the kernel's input ``mode`` does to ``x``, rounded
+        once to ``dtype`` (:meth:`QGemm.prep`); a plain ``x`` already in ``dtype`` as it is."""
+        if mode == PLAIN and x.dtype == self.dtype:
+            return x
+        weight = None if norm is None else _float32(norm.weight)
+        return self.kernel.prep(x, mode, weight, 0.0 if norm is None else norm.eps, self.dtype)
+
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         return self.fused(x.reshape(-1, shape[-1])).view(*shape[:-1], -1).to(x.dtype)
@@ -169,18 +181,6 @@ class QuantLinear(nn.Module):
 def _float32(t: Tensor) -> Tensor:
     """``t`` itself when it is float32 already (``.float()`` costs ~0.4 us a call)."""
     return t if t.dtype == torch.float32 else t.float()
-
-
-def _prepare(x: Tensor, mode: int, norm: nn.Module | None, dtype: torch.dtype) -> Tensor:
-    """What the kernel's input modes do to x, in float32 torch ops, rounded once to
-    ``dtype`` (the GEMM path). A plain ``x`` already in ``dtype`` is used as it is."""
-    if mode == RMSNORM:
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.float()
-    elif mode == SILU_MUL:
-        gate, up = x.chunk(2, dim=-1)
-        x = F.silu(gate.float()).mul_(up)
-    return x.to(dtype)
 
 
 class QuantEmbedding(nn.Module):
