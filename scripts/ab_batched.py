@@ -1,4 +1,4 @@
-"""The batched workload (16 x 512 + 64), the AMX tile GEMM path on and off, alternated in one
+"""The batched workload (16 x 512 + 64), the AMX paths (tile GEMM, int8 tiles in qgemm) on and off, alternated in one
 process (this VM's speed drifts between minutes): wall seconds per run, best and median.
 
     flock /tmp/slimkv-cpu.lock timeout 230 .venv/bin/python scripts/ab_batched.py int8 [pairs]
@@ -21,6 +21,7 @@ for _ in range(pairs):
     for variant in ("old", "new"):
         for m in linears:
             m.tiles = tiles[m] if variant == "new" else None
+        linears[0].kernel.amx_rows(16 if variant == "new" else 1 << 30)
         walls[variant].append(batched(eng, 16, 512, 64)["wall_s"])
 for variant, w in walls.items():
     print(f"{kv} {variant}: best {min(w):.2f} s median {statistics.median(w):.2f} s  {w}")
