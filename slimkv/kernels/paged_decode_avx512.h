@@ -66,21 +66,33 @@ static inline __attribute__((always_inline)) float softmax_numerators(float *sc,
     return m;
 }
 
-/* Part `part` of `parts` of block blk (all heads' rows and their scales) on its way to L1:
- * callers spread a block over its heads' tiles, as a burst of a whole block's lines stalls on
- * the core's few outstanding misses (attn_ab 16 x 2K: int8 -11%, int4 -15%). */
+/* Part `part` of `parts` of a block of side s (all heads' rows and their scales): which of
+ * its cache lines, worked out once per call (the divisions cost as much as a tile's
+ * conversions when done per block). */
+typedef struct { size_t bytes, n, l0, l1, s0, s1; } pf_span;
+
+static inline pf_span prefetch_span(const kv_side *s, int H, int bs, const int D, int part,
+                                    int parts) {
+    pf_span p;
+    p.bytes = (size_t)bs * H * s->width * elem_size(s->kind);
+    size_t lines = (p.bytes + 63) / 64;
+    p.l0 = lines * part / parts, p.l1 = lines * (part + 1) / parts;
+    p.n = s->scale_mode == SCALE_BLOCK ? (size_t)H * D : (size_t)bs * H * s->groups;
+    lines = s->scale_mode == SCALE_NONE ? 0 : (2 * p.n + 63) / 64;
+    p.s0 = lines * part / parts, p.s1 = lines * (part + 1) / parts;
+    return p;
+}
+
+/* The span p of block blk on its way to L1: callers spread a block over its heads' tiles, as
+ * a burst of a whole block's lines stalls on the core's few outstanding misses (attn_ab
+ * 16 x 2K: int8 -11%, int4 -15%). */
 static inline __attribute__((always_inline)) void
-prefetch_block(const kv_side *s, int64_t blk, int H, int bs, const int D, int part, int parts) {
-    size_t bytes = (size_t)bs * H * s->width * elem_size(s->kind);
-    const char *base = (const char *)s->data + (size_t)blk * bytes;
-    size_t lines = (bytes + 63) / 64, l0 = lines * part / parts, l1 = lines * (part + 1) / parts;
-    for (size_t l = l0; l < l1; l++) _mm_prefetch(base + 64 * l, _MM_HINT_T0);
-    size_t n = s->scale_mode == SCALE_BLOCK ? (size_t)H * D : (size_t)bs * H * s->groups;
-    if (s->scale_mode == SCALE_NONE) return;
-    lines = (2 * n + 63) / 64, l0 = lines * part / parts, l1 = lines * (part + 1) / parts;
-    for (size_t l = l0; l < l1; l++) {
-        _mm_prefetch((const char *)(s->scale + blk * n) + 64 * l, _MM_HINT_T0);
-        if (s->zero) _mm_prefetch((const char *)(s->zero + blk * n) + 64 * l, _MM_HINT_T0);
+prefetch_block(const kv_side *s, int64_t blk, const pf_span *p) {
+    const char *base = (const char *)s->data + (size_t)blk * p->bytes;
+    for (size_t l = p->l0; l < p->l1; l++) _mm_prefetch(base + 64 * l, _MM_HINT_T0);
+    for (size_t l = p->s0; l < p->s1; l++) {
+        _mm_prefetch((const char *)(s->scale + blk * p->n) + 64 * l, _MM_HINT_T0);
+        if (s->zero) _mm_prefetch((const char *)(s->zero + blk * p->n) + 64 * l, _MM_HINT_T0);
     }
 }
 
@@ -205,10 +217,11 @@ group_scales16(const kv_side *s, size_t tok0, int h, int nt, int H, float *gsc, 
             const _Float16 *src = (side ? s->zero : s->scale) + (tok0 - h) * groups;
             float *dst = side ? gz : gsc;
             __m512i part[4];
-            for (int r = 0; P <= 4 && r < 4; r++) {
-                unsigned left = n > 16u * r ? n - 16u * r : 0;
+            for (int r = 0; P <= 4 && r < 4; r++) { /* no load past row nt: a masked-off */
+                unsigned left = n > 16u * r ? n - 16u * r : 0; /* load still waits on its line */
                 __mmask16 m = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
-                part[r] = _mm512_maskz_loadu_epi32(m, (const int *)src + 16 * r);
+                part[r] = left ? _mm512_maskz_loadu_epi32(m, (const int *)src + 16 * r)
+                               : _mm512_setzero_si512();
             }
             for (int g = 0; g < groups; g += 2) {
                 __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(iota, _mm512_set1_epi32(P)),
@@ -387,15 +400,18 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
     float gsc[ng * TILE] __attribute__((aligned(64))), gz[ng * TILE] __attribute__((aligned(64)));
     float zacc[H * G * ng * TILE];
     int64_t base = (int64_t)j0 * bs, n = (L < (int64_t)j1 * bs ? L : (int64_t)j1 * bs) - base;
+    pf_span kspan[H], vspan[H];
+    for (int h = 0; h < H; h++)
+        kspan[h] = prefetch_span(k, H, bs, D, h, H), vspan[h] = prefetch_span(v, H, bs, D, h, H);
     for (int i = 0; i < H * G; i++) /* q in the order K rows arrive in */
         for (int d = 0; d < D; d++) qp[i * D + permuted(d, k_u4, D)] = q[i * D + d] * sm_scale;
     for (int j = j0; j < j1; j++) { /* scores */
         int nj = (int)(L - (int64_t)j * bs < bs ? L - (int64_t)j * bs : bs), jv = j - j1 + PREFETCH + j0;
         for (int h = 0; h < H; h++) {
             if (j + PREFETCH < j1 && j + PREFETCH != own)
-                prefetch_block(k, table[j + PREFETCH], H, bs, D, h, H);
+                prefetch_block(k, table[j + PREFETCH], kspan + h);
             else if (jv >= j0 && jv != own) /* P.V's first */
-                prefetch_block(v, table[jv], H, bs, D, h, H);
+                prefetch_block(v, table[jv], vspan + h);
             const float *qk = qp + h * G * D;
             int zeroed = j != own && fold && k->zero;
             if (j != own && fold) { /* q.(raw * s + z) = (q * s).raw + q.z */
@@ -431,7 +447,7 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
         int nj = (int)(L - (int64_t)j * bs < bs ? L - (int64_t)j * bs : bs);
         for (int h = 0; h < H; h++) {
             if (j + PREFETCH < j1 && j + PREFETCH != own)
-                prefetch_block(v, table[j + PREFETCH], H, bs, D, h, H);
+                prefetch_block(v, table[j + PREFETCH], vspan + h);
             if (j != own) block_scale(v, table[j], h, H, D, bsc, bz, 1);
             for (int t0 = 0; t0 < nj; t0 += TILE) {
                 int nt = nj - t0 < TILE ? nj - t0 : TILE;

@@ -4,7 +4,8 @@ For each of K and V, every field of its codec (``data`` and each per-token auxil
 such as ``scale``/``zero``) is one tensor ``[num_layers, num_blocks, block_size, num_kv_heads,
 width]`` allocated once at start-up; per-block auxiliary tensors (per-channel key scales)
 are ``[num_layers, num_blocks, num_kv_heads, width]``. Token ``offset`` of block ``b`` lives
-at slot ``b * block_size + offset``. Reads gather and dequantize only the requested blocks.
+at slot ``b * block_size + offset``. On CPU the large tensors sit on transparent huge pages
+(:mod:`slimkv.kv.hugepages`): block reads are scattered, and 4 KiB pages make them TLB-bound. Reads gather and dequantize only the requested blocks.
 With ``layer_dtypes`` (per-layer mixed precision, :mod:`slimkv.kv.layers`) the layers of each
 dtype have their own tensors, whose leading axis runs over those layers only.
 
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from slimkv.kv.hugepages import filled
 from slimkv.kv.layers import LayerDtypes, layer_codecs, side_codec, side_codecs
 from slimkv.kv.quant import AUX_DTYPE, KVCodec, QuantizedKV
 from slimkv.stats import cdiv
@@ -82,12 +84,11 @@ class PagedKVCache:
         lead = (num_layers, self.num_blocks)
         heads = (self.num_kv_heads,)
         tokens = (self.block_size, self.num_kv_heads)
-        data = torch.zeros(*lead, *tokens, codec.data_width, dtype=codec.storage_dtype,
-                           device=self.device)
+        data = filled((*lead, *tokens, codec.data_width), 0, codec.storage_dtype, self.device)
         # Scales start at 1 so never-written slots dequantize to finite values.
-        aux = {name: torch.ones(*lead, *tokens, width, dtype=AUX_DTYPE, device=self.device)
+        aux = {name: filled((*lead, *tokens, width), 1, AUX_DTYPE, self.device)
                for name, width in codec.aux_widths.items()}
-        aux.update({name: torch.ones(*lead, *heads, width, dtype=AUX_DTYPE, device=self.device)
+        aux.update({name: filled((*lead, *heads, width), 1, AUX_DTYPE, self.device)
                     for name, width in codec.block_aux_widths.items()})
         return QuantizedKV(data, aux)
 
