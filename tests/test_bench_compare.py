@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 import pytest
 
-from slimkv.bench.compare import (TARGETS, batched, decode_rate, decode_steps, engine_for,
-                                  median_of, prefill_rate, ratios, verdicts)
+from slimkv.bench.compare import (batched, decode_rate, decode_steps, engine_for, median_of,
+                                  median_row, prefill_rate, take_turns)
+from slimkv.bench.compare_report import TARGETS, ratios, verdicts
 from slimkv.bench.peers import Peers
 from tests.conftest import small_config
 
@@ -60,8 +62,14 @@ def test_workloads_run_on_the_engine_and_leave_the_pool_free() -> None:
     total = engine.pool.num_free_blocks
     result = batched(engine, prompts=3, prompt_len=20, new_tokens=4)
     assert result["total_tok_s"] > result["output_tok_s"] > 0
-    steps = decode_steps(engine, [2, 4], context=40, steps=2)
-    assert set(steps) == {"b2", "b4"} and all(ms > 0 for ms in steps.values())
+    other = engine_for(small_config(), "bfloat16", max_seqs=4, max_tokens=80)
+    steps = decode_steps({"int8": engine, "bfloat16": other}, [2, 4], context=40, steps=2,
+                         reps=2)
+    for row in steps.values():
+        assert set(row) == {"b2", "b4", "b2_runs", "b4_runs"}
+        assert len(row["b4_runs"]) == 2
+        assert row["b4"] == round(statistics.median(row["b4_runs"]), 2) > 0
+    assert not other.has_unfinished() and other.pool.num_free_blocks == total
     assert decode_rate(engine, 2, 8, 4) > 0 and prefill_rate(engine, 30) > 0
     hits = engine.stats().prefix_hits
     assert prefill_rate(engine, 40, seed=1) > 0 and prefill_rate(engine, 40, seed=2) > 0
@@ -79,3 +87,15 @@ def test_median_of_repetitions_passes_the_repetition_index() -> None:
 
     assert median_of(3, measure) == 3.0 and seen == [0, 1, 2]
     assert median_of(2, lambda rep: [1.0, 2.0][rep]) == 1.5
+
+
+def test_sides_take_turns_rep_by_rep_and_rows_keep_every_run() -> None:
+    order: list[tuple[str, int]] = []
+    runs = take_turns(2, {"a": lambda rep: order.append(("a", rep)) or rep,
+                          "b": lambda rep: order.append(("b", rep)) or 10 + rep})
+    assert order == [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
+    assert runs == {"a": [0, 1], "b": [10, 11]}
+    row = median_row([{"total_tok_s": 3.0, "note": "x"}, {"skipped": "died"},
+                      {"total_tok_s": 5.0, "note": "y"}])
+    assert row["total_tok_s"] == 4.0 and len(row["runs"]) == 3 and "note" not in row
+    assert median_row([{"skipped": "no venv"}] * 2) == {"skipped": "no venv"}

@@ -219,3 +219,29 @@ def test_gemm_path_input_and_rope_equal_torch_ops(dtype: torch.dtype) -> None:
     assert torch.equal(narrow[:, 64:], qkv[:, 64:].bfloat16())  # past `heads`: untouched
     out, y = torch.randn(70, 80, generator=gen), qkv.bfloat16()
     assert torch.equal(kernel.add_into(out.clone(), y), out + y.float())  # the residual add
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("mode", [PLAIN, PRECISE, RMSNORM])
+def test_amx_int8_tiles_give_the_vpdpbusd_loops_bits(bits: int, mode: int) -> None:
+    """From 16 quantized rows the dot products may run on AMX int8 tiles (where the CPU has
+    them): the same outputs, bit for bit, as the vpdpbusd loop (all rows on it)."""
+    kernel = qgemm_kernel()
+    gen = _gen(bits + mode)
+    norm = Norm(576, gen)
+    for n, k, rows in [(960, 576, 17), (40, 576, 33), (48, 576, 8)]:
+        w = quantize(torch.randn(n, k, generator=gen), bits)
+        packed = pack(w.q, w.d, w.m, bits)
+        x = torch.randn(rows, k, generator=gen)
+        out = torch.randn(rows, n, generator=gen)
+        outs = []
+        for amx_rows in (16, 1 << 30):
+            previous = kernel.amx_rows(amx_rows)
+            try:
+                y = kernel(x, packed, n, mode=mode, norm_weight=norm.weight, eps=norm.eps)
+                acc = kernel(x, packed, n, mode=mode, norm_weight=norm.weight, eps=norm.eps,
+                             out=out.clone())
+            finally:
+                kernel.amx_rows(previous)
+            outs.append((y, acc))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

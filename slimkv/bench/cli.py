@@ -42,7 +42,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-dtype", default=None,
                    help="pin slimkv's model dtype (default: the config's, `auto`; a pinned "
                         "dtype also keeps unquantized weights)")
-    p.add_argument("--reps", type=int, default=3, help="repetitions per measurement compared with llama.cpp (the median, on both sides)")
+    p.add_argument("--reps", type=int, default=3,
+                   help="repetitions of every measurement (medians are compared; slimkv's "
+                        "dtypes and vLLM-CPU take turns run by run)")
     p.add_argument("--no-peers", action="store_true", help="measure slimkv only")
     p.add_argument("--peer-scripts", type=Path, help="the peers' drivers (../shared/peers)")
     p.add_argument("--peer-envs", type=Path, help="their venvs (~/.cache/slimkv-peers)")
@@ -71,7 +73,8 @@ def cmd_bench_scheduling(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_compare(args: argparse.Namespace) -> int:
-    from slimkv.bench.compare import bench_compare, format_ratios, plot
+    from slimkv.bench.compare import bench_compare
+    from slimkv.bench.compare_report import format_ratios, plot
     from slimkv.bench.peers import Peers
 
     config = config_from_args(args)

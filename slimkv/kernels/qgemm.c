@@ -45,6 +45,18 @@ enum { IN_PLAIN = 0, IN_RMSNORM = 1, IN_SILU_MUL = 2, IN_PRECISE = 4, IN_FLOAT =
 #define QG_WIDE 2 /* tiles per pass where rows are blocked by 3 or more */
 #endif
 enum { MT = QG_MT };
+#ifndef QG_AMX_ROWS
+#define QG_AMX_ROWS 16 /* quantized rows from which the AMX int8 tiles take the dot products */
+#endif
+static int amx_rows = QG_AMX_ROWS;
+
+/* Set the row count from which AMX takes the dot products (bitwise the same outputs; tests
+ * and benchmarks compare both paths); returns the previous one. */
+int qgemm_amx_rows(int rows) {
+    int previous = amx_rows;
+    amx_rows = rows;
+    return previous;
+}
 
 int qgemm_native(void) { return QG_NATIVE; }
 
@@ -195,6 +207,8 @@ micro(const uint8_t *w, const int bits, int nb, int t0, const int NT, const int8
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NT; j++) store_tile(y, r0 + i, N, (t0 + j) * 16, facc[i][j], accumulate);
 }
+
+#include "qgemm_amx.h"
 
 #define MICRO(NT)                                                                           \
     switch (mr) {                                                                           \
@@ -354,7 +368,10 @@ void qgemm(const float *x, int M, int K, int x_stride, int mode, const float *no
            const uint8_t *w, int bits, int N, float *y, int accumulate) {
     int flt = mode & IN_FLOAT, nb = K / 32, rep = !flt && mode & IN_PRECISE ? 2 : 1;
     int R = M * rep; /* R quantized rows */
-    int8_t *qa = aligned_alloc(64, ((size_t)R * K + 63) / 64 * 64);
+    /* rows padded with zeros to a multiple of 16 (whole AMX tiles; never stored) */
+    size_t pad_rows = (size_t)(R + 15) / 16 * 16;
+    int8_t *qa = aligned_alloc(64, (pad_rows * K + 63) / 64 * 64);
+    memset(qa + (size_t)R * K, 0, (pad_rows - R) * K);
     float *xf = flt ? malloc(sizeof(float) * (size_t)M * K) : NULL; /* IN_FLOAT rows */
     float *ad = malloc(sizeof(float) * (size_t)R * nb * 2), *as = ad + (size_t)R * nb;
     float *yt = rep == 1 ? y : malloc(sizeof(float) * (size_t)R * N);
@@ -380,6 +397,10 @@ void qgemm(const float *x, int M, int K, int x_stride, int mode, const float *no
 #if QG_NATIVE
             if (flt)
                 tiles_native_f(w, bits, K, t0, t1, xf, as, R, yt, N, add);
+#if QG_AMX
+            else if (R >= amx_rows && qg_amx_ready())
+                tiles_amx(w, bits, K, t0, t1, qa, ad, as, R, yt, N, add);
+#endif
             else
                 tiles_native(w, bits, K, t0, t1, qa, ad, as, R, yt, N, add);
 #else

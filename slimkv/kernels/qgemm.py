@@ -82,6 +82,8 @@ class QGemm:
         self._prep = lib.prep_rows
         self._prep.argtypes = [ptr, i32, i32, i32, i32, i32, ptr, ctypes.c_float, ptr, i32]
         self._prep.restype = None
+        self.amx_rows = lib.qgemm_amx_rows  # (rows) -> previous: where AMX int8 tiles start
+        self.amx_rows.argtypes = [i32]
 
     def __call__(self, x: Tensor, packed: Tensor, n: int, *, mode: int = PLAIN,
                  norm_weight: Tensor | None = None, eps: float = 0.0,

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from slimkv.kernels.qgemm import (PLAIN, PRECISE, ROW_DTYPES, QGemm, pack, qgemm_kernel,
                                   unpack_rows)
+from slimkv.kernels.tile_gemm import tile_gemm_kernel
 
 GROUP = 32
 GGUF_CLASSES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # GGUF tensor types adopted as they are
@@ -135,6 +136,9 @@ class QuantLinear(nn.Module):
         self.register_buffer("packed", pack(weight.q, weight.d, weight.m, weight.bits))
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.kernel = _kernel()
+        # The GEMM path in bf16 on AMX tiles, W dequantized on the fly: the same sums as
+        # torch's bf16 GEMM over the dequantized W (tests/test_tile_gemm.py), none written.
+        self.tiles = tile_gemm_kernel() if dtype == torch.bfloat16 else None
 
     @property
     def weight(self) -> QuantTensor:
@@ -150,11 +154,9 @@ class QuantLinear(nn.Module):
         ``keep``: the GEMM path's result (no bias, no ``out``) stays in ``dtype``, for a
         consumer that reads that dtype (RoPE, a SiLU-mul input) without a float32 copy."""
         if x.shape[0] > self.kernel_rows:
-            y = F.linear(self._prepare(x, mode, norm), self.kernel.dequantize(
-                self.packed, self.out_features, self.dtype))
-            if out is not None:  # float32 out += y in dtype adds y's exact values
-                y = self.kernel.add_into(out, y)
-            elif not keep or self.bias is not None or self.dtype not in ROW_DTYPES:
+            y = self._gemm(self._prepare(x, mode, norm), out)
+            if out is None and (not keep or self.bias is not None or
+                                self.dtype not in ROW_DTYPES):
                 y = y.float()
         else:
             weight = None if norm is None else _float32(norm.weight)
@@ -164,6 +166,14 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             y += self.bias
         return y
+
+    def _gemm(self, a: Tensor, out: Tensor | None) -> Tensor:
+        """``a . W^T`` in ``dtype``, or added into float32 ``out`` (y's exact values in
+        ``dtype``) and ``out`` returned."""
+        if self.tiles is not None and a.dtype == torch.bfloat16:
+            return self.tiles(a, self.packed, self.out_features, out=out)
+        y = F.linear(a, self.kernel.dequantize(self.packed, self.out_features, self.dtype))
+        return y if out is None else self.kernel.add_into(out, y)
 
     def _prepare(self, x: Tensor, mode: int, norm: nn.Module | None) -> Tensor:
         """The GEMM path's input: what the kernel's input ``mode`` does to ``x``, rounded
