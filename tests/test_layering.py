@@ -18,9 +18,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "slimkv"
 # The serving core, bottom-up; a module may import its own layer and the layers below.
 CORE_LAYERS = [
     ["slimkv.config", "slimkv.stats", "slimkv.engine_stats"],
-    ["slimkv.kernels.build", "slimkv.kernels.qgemm"],
+    ["slimkv.kernels.build", "slimkv.kernels.qgemm", "slimkv.kernels.tile_gemm"],
     ["slimkv.model", "slimkv.sampling_params", "slimkv.sampling", "slimkv.choices", "slimkv.kv.quant",
      "slimkv.kv.block_scales", "slimkv.kv.layers", "slimkv.kv.block_pool", "slimkv.kv.connector",
+     "slimkv.kv.hugepages",
      "slimkv.sequence",
      "slimkv.kv.manager", "slimkv.kv.contiguous", "slimkv.outputs"],
     ["slimkv.kv.cache", "slimkv.kv.staging", "slimkv.kv", "slimkv.kernels"],
