@@ -4,8 +4,10 @@ For each of K and V, every field of its codec (``data`` and each per-token auxil
 such as ``scale``/``zero``) is one tensor ``[num_layers, num_blocks, block_size, num_kv_heads,
 width]`` allocated once at start-up; per-block auxiliary tensors (per-channel key scales)
 are ``[num_layers, num_blocks, num_kv_heads, width]``. Token ``offset`` of block ``b`` lives
-at slot ``b * block_size + offset``. On CPU the large tensors sit on transparent huge pages
-(:mod:`slimkv.kv.hugepages`): block reads are scattered, and 4 KiB pages make them TLB-bound. Reads gather and dequantize only the requested blocks.
+at slot ``b * block_size + offset``. Reads gather and dequantize only the requested blocks.
+On CPU the large tensors sit on transparent huge pages (:mod:`slimkv.kv.hugepages`: a step's
+block reads are scattered over the pool; neutral on the VM measured, which likely backs
+guest memory with 4 KiB pages).
 With ``layer_dtypes`` (per-layer mixed precision, :mod:`slimkv.kv.layers`) the layers of each
 dtype have their own tensors, whose leading axis runs over those layers only.
 
