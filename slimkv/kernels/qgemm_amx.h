@@ -29,6 +29,20 @@ struct qg_tile_config {
     uint8_t rows[16];
 };
 
+/* A B tile of one repacked group: 8 bits as stored; 4 bits unpacked into buf (the low
+ * nibbles of the 4 chunks, then the high ones). */
+static inline const uint8_t *b_tile(const uint8_t *g, int bits, uint8_t *buf) {
+    if (bits == 8)
+        return g;
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    for (int c = 0; c < 4; c++) {
+        __m512i raw = _mm512_loadu_si512(g + 64 * c);
+        _mm512_store_si512(buf + 64 * c, _mm512_and_si512(raw, lo4));
+        _mm512_store_si512(buf + 256 + 64 * c, _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4));
+    }
+    return buf;
+}
+
 /* Tiles [t0, t1) x rows [0, R) (qa padded with zero rows to a multiple of 16). */
 __attribute__((target("amx-tile,amx-int8"))) static void
 tiles_amx(const uint8_t *w, int bits, int K, int t0, int t1, const int8_t *qa, const float *ad,
@@ -43,7 +57,6 @@ tiles_amx(const uint8_t *w, int bits, int K, int t0, int t1, const int8_t *qa, c
     _tile_loadconfig(&cfg);
     const int nb = K / 32, CB = code_bytes(bits), GB = group_bytes(bits);
     const size_t tstride = (size_t)nb * GB;
-    const __m512i lo4 = _mm512_set1_epi8(0x0F);
     uint8_t bbuf[2][512] __attribute__((aligned(64)));
     int32_t ibuf[2][256] __attribute__((aligned(64)));
     __m512 fbuf[16][2];
@@ -56,33 +69,12 @@ tiles_amx(const uint8_t *w, int bits, int K, int t0, int t1, const int8_t *qa, c
                 const uint8_t *g = w + (size_t)t * tstride + (size_t)b * GB;
                 _tile_loadd(2, qa + (size_t)r * K + b * 32, K);
                 _tile_zero(0);
-                if (bits == 8) {
-                    _tile_loadd(3, g, 64);
-                } else {
-                    for (int c = 0; c < 4; c++) {
-                        __m512i raw = _mm512_loadu_si512(g + 64 * c);
-                        _mm512_store_si512(bbuf[0] + 64 * c, _mm512_and_si512(raw, lo4));
-                        _mm512_store_si512(bbuf[0] + 256 + 64 * c,
-                                           _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4));
-                    }
-                    _tile_loadd(3, bbuf[0], 64);
-                }
+                _tile_loadd(3, b_tile(g, bits, bbuf[0]), 64);
                 _tile_dpbsud(0, 2, 3);
                 _tile_stored(0, ibuf[0], 64);
-                if (nt == 2) {
-                    const uint8_t *g1 = g + tstride;
+                if (nt == 2) { /* tile numbers are immediates: the second pair spelled out */
                     _tile_zero(1);
-                    if (bits == 8) {
-                        _tile_loadd(4, g1, 64);
-                    } else {
-                        for (int c = 0; c < 4; c++) {
-                            __m512i raw = _mm512_loadu_si512(g1 + 64 * c);
-                            _mm512_store_si512(bbuf[1] + 64 * c, _mm512_and_si512(raw, lo4));
-                            _mm512_store_si512(bbuf[1] + 256 + 64 * c,
-                                               _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4));
-                        }
-                        _tile_loadd(4, bbuf[1], 64);
-                    }
+                    _tile_loadd(4, b_tile(g + tstride, bits, bbuf[1]), 64);
                     _tile_dpbsud(1, 2, 4);
                     _tile_stored(1, ibuf[1], 64);
                 }
