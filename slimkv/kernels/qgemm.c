@@ -29,6 +29,11 @@
 #else
 #define QG_NATIVE 0
 #endif
+#if !QG_NATIVE && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QG_AVX2 1 /* qgemm_avx2.h: the same sums with vpmaddubsw / vpmaddwd */
+#else
+#define QG_AVX2 0
+#endif
 
 #if defined(__x86_64__) && defined(__AVX512F__) && defined(__GLIBC__)
 /* expf 16 lanes at a time from glibc's libmvec (which -lm links as needed), as
@@ -58,7 +63,8 @@ int qgemm_amx_rows(int rows) {
     return previous;
 }
 
-int qgemm_native(void) { return QG_NATIVE; }
+/* 2: the AVX512-VNNI loops; 1: the AVX2 ones; 0: the portable loop. */
+int qgemm_native(void) { return QG_NATIVE ? 2 : QG_AVX2; }
 
 /* Row m of the input as the matmul sees it (input_row), then int8 per
  * group of 32: qa [K], ad [K/32], as [K/32]. IN_PRECISE: the rounding residual is quantized
@@ -84,7 +90,7 @@ static void input_row(const float *x, int K, int mode, const float *norm_w, floa
 }
 
 static void quantize_row(const float *x, int K, int mode, const float *norm_w, float eps,
-                         float *tmp, int8_t *qa, float *ad, float *as) {
+                         float *tmp, int8_t *qa, float *ad, float *as, int32_t *qs) {
     int precise = mode & IN_PRECISE, flt = mode & IN_FLOAT;
     input_row(x, K, mode & ~(IN_PRECISE | IN_FLOAT), norm_w, eps, tmp);
     if (flt) { /* IN_FLOAT: the row stays float (tmp), as holds its group sums */
@@ -111,11 +117,13 @@ static void quantize_row(const float *x, int K, int mode, const float *norm_w, f
         }
         ad[b] = d;
         as[b] = d * (float)sum;
+        qs[b] = sum;
     }
     if (!precise) return;
 #pragma omp simd
     for (int k = 0; k < K; k++) tmp[k] -= ad[k / 32] * (float)qa[k];
-    quantize_row(tmp, K, IN_PLAIN, NULL, 0.0f, tmp, qa + K, ad + K / 32, as + K / 32);
+    quantize_row(tmp, K, IN_PLAIN, NULL, 0.0f, tmp, qa + K, ad + K / 32, as + K / 32,
+                 qs + K / 32);
 }
 
 /* The repacked layout (made once at load time, slimkv.kernels.qgemm.pack): output rows in
@@ -320,6 +328,10 @@ static void tiles_native(const uint8_t *w, int bits, int K, int t0, int t1, cons
 }
 #endif
 
+#if QG_AVX2
+#include "qgemm_avx2.h"
+#endif
+
 /* Code k (0..31) of row r in a group's code bytes, in the layout above. */
 static inline int code_at(const uint8_t *g, int bits, int r, int k) {
     if (bits == 8) return g[(k / 4) * 64 + r * 4 + k % 4];
@@ -333,6 +345,7 @@ static inline float scale_at(const uint8_t *g, int bits, int which, int r) {
     return (float)v;
 }
 
+#if !QG_NATIVE && !QG_AVX2
 /* Tiles [t0, t1) for all R rows, one output at a time: the same values, any CPU. */
 static void tiles_portable(const uint8_t *w, int bits, int K, int t0, int t1, const int8_t *qa,
                            const float *xf, const float *ad, const float *as, int R, float *y,
@@ -360,6 +373,7 @@ static void tiles_portable(const uint8_t *w, int bits, int K, int t0, int t1, co
             *out = acc ? *out + t : t;
         }
 }
+#endif
 
 /* y [M, N] float32 (+)= f(x) . W^T; x [M, x_stride] float32 (x_stride = 2K for
  * IN_SILU_MUL, whose input is [gate | up]); W [N, K] in the repacked layout above. K must
@@ -374,6 +388,7 @@ void qgemm(const float *x, int M, int K, int x_stride, int mode, const float *no
     memset(qa + (size_t)R * K, 0, (pad_rows - R) * K);
     float *xf = flt ? malloc(sizeof(float) * (size_t)M * K) : NULL; /* IN_FLOAT rows */
     float *ad = malloc(sizeof(float) * (size_t)R * nb * 2), *as = ad + (size_t)R * nb;
+    int32_t *qs = malloc(sizeof(int32_t) * (size_t)R * nb); /* each group's sum of codes */
     float *yt = rep == 1 ? y : malloc(sizeof(float) * (size_t)R * N);
     int ntiles = (N + 15) / 16, add = rep == 1 && accumulate;
 #pragma omp parallel if (ntiles > 1)
@@ -383,7 +398,7 @@ void qgemm(const float *x, int M, int K, int x_stride, int mode, const float *no
         for (int r = 0; r < M; r++)
             quantize_row(x + (size_t)r * x_stride, K, mode, norm_w, eps, flt ? xf + (size_t)r * K : tmp,
                          qa + (size_t)r * rep * K, ad + (size_t)r * rep * nb,
-                         as + (size_t)r * rep * nb);
+                         as + (size_t)r * rep * nb, qs + (size_t)r * rep * nb);
         free(tmp);
         /* An even split of the tiles in pairs (4-tile blocks then fall on both sides). */
 #ifdef _OPENMP
@@ -403,6 +418,8 @@ void qgemm(const float *x, int M, int K, int x_stride, int mode, const float *no
 #endif
             else
                 tiles_native(w, bits, K, t0, t1, qa, ad, as, R, yt, N, add);
+#elif QG_AVX2
+            tiles_avx2(w, bits, K, t0, t1, qa, flt ? xf : NULL, ad, as, qs, R, yt, N, add);
 #else
             tiles_portable(w, bits, K, t0, t1, qa, xf, ad, as, R, yt, N, add);
 #endif
@@ -418,6 +435,7 @@ void qgemm(const float *x, int M, int K, int x_stride, int mode, const float *no
     if (yt != y) free(yt);
     free(qa);
     free(ad);
+    free(qs);
     free(xf);
 }
 
