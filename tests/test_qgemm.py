@@ -63,6 +63,27 @@ def test_kernel_equals_the_integer_reference(bits: int, shape: tuple[int, int], 
 
 
 @pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_extreme_codes_and_activations_do_not_saturate(bits: int, rows: int) -> None:
+    """Codes at 0 / the top and activations at +-127, where 16-bit pair sums (AVX2's
+    vpmaddubsw) would saturate if taken naively: the exact integer sums all the same."""
+    gen = _gen(bits + rows)
+    n, k, top = 48, 576, (1 << bits) - 1
+    codes = torch.randint(0, 2, (n, k), generator=gen, dtype=torch.uint8) * top
+    codes[: n // 2] = top  # whole rows at the top code too
+    if bits == 4:
+        g = codes.view(n, -1, 2, 16)
+        codes = (g[:, :, 0] | g[:, :, 1] << 4).view(n, -1)
+    d = torch.full((n, k // 32), 2.0 ** -10).half()
+    w = QuantTensor(codes, d, torch.zeros_like(d), bits)
+    x = torch.randint(0, 2, (rows, k), generator=gen).float() * 2 - 1  # +-1: codes +-127
+    x[0] = 1.0
+    y, ref = QuantLinear(w, torch.float32).fused(x).double(), exact_reference(x, w)
+    # float32 sums of exact group sums (one saturated pair would be off by ~2^-10 * 2^15)
+    torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 2, 5])
 def test_precise_activations_are_within_the_residual_rounding_bound(bits: int, rows: int) -> None:
     """PRECISE: x = int8 row + int8 residual row; the error against the float64 matmul on

@@ -40,6 +40,9 @@
  * -ffast-math would declare it, without fast-math's finite-math assumptions */
 #pragma omp declare simd notinbranch simdlen(16)
 float expf(float);
+#elif defined(__x86_64__) && defined(__AVX2__) && defined(__GLIBC__)
+#pragma omp declare simd notinbranch simdlen(8) /* libmvec's AVX2 expf, 8 lanes */
+float expf(float);
 #endif
 
 enum { IN_PLAIN = 0, IN_RMSNORM = 1, IN_SILU_MUL = 2, IN_PRECISE = 4, IN_FLOAT = 8 }; /* 4, 8: OR'ed */

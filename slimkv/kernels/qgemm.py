@@ -2,8 +2,9 @@
 
 See the C file for the format (groups of 32 along K, ``w = d * q + m``) and the fused
 input modes. :func:`qgemm_kernel` returns None where the kernel cannot be built
-(:func:`qgemm_unavailable_reason` says why); :func:`qgemm_native` says whether it runs the
-AVX512-VNNI path (elsewhere a portable loop computes the same values, slowly).
+(:func:`qgemm_unavailable_reason` says why); :func:`qgemm_native` says whether it runs a
+vector path (AVX512-VNNI, or AVX2 with vpmaddubsw; elsewhere a portable loop computes the
+same values, slowly).
 """
 
 from __future__ import annotations
