@@ -3,7 +3,8 @@
 This is llama.cpp's Q4_1 exactly (Q4_0 is ``m = -8d``, Q8_0 is 8-bit codes with
 ``m = -128d``), so a GGUF's blocks are adopted as they are, without a round trip through
 float. Float weights are quantized min/max per group. Matmuls run in
-:mod:`slimkv.kernels.qgemm` (int8 activations per group of 32, VNNI dot products, or AVX2 vpmaddubsw).
+:mod:`slimkv.kernels.qgemm` (int8 activations per group of 32, VNNI dot products, or
+AVX2's vpmaddubsw).
 """
 
 from __future__ import annotations
