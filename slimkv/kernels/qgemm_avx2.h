@@ -172,14 +172,20 @@ microf2(const uint8_t *w, const int bits, int nb, int t0, const int NH, const fl
 
 /* Tiles [t0, t1) for all R rows: blocks of 2 tiles (4 half tiles) for one or two rows, 1
  * tile for more (16 ymm registers), rows 4 at a time. xf: IN_FLOAT rows, else NULL. */
+#ifndef QG2_WIDE
+#define QG2_WIDE 1 /* tiles per block where rows are blocked by 3 or more */
+#endif
+#ifndef QG2_MR
+#define QG2_MR 4 /* rows per block (at most 4) */
+#endif
 static void tiles_avx2(const uint8_t *w, int bits, int K, int t0, int t1, const int8_t *qa,
                        const float *xf, const float *ad, const float *as, const int32_t *qsum,
                        int R, float *y, int N, int acc) {
-    int nb = K / 32, wide = R <= 2 ? 2 : 1;
+    int nb = K / 32, wide = R <= 2 ? 2 : QG2_WIDE;
     for (int t = t0; t < t1;) {
         int nt = t1 - t >= wide ? wide : 1;
-        for (int r = 0; r < R; r += 4) {
-            int mr = R - r < 4 ? R - r : 4;
+        for (int r = 0; r < R; r += QG2_MR) {
+            int mr = R - r < QG2_MR ? R - r : QG2_MR;
             if (xf && nt == 2) {
                 MICRO2(microf2, 4, w, bits, nb, t, 4, xf, as, K)
             } else if (xf) {
