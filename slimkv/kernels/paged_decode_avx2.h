@@ -92,7 +92,8 @@ block_scale(const kv_side *s, int64_t blk, int h, int H, const int D, float *bsc
 
 /* 8 stored values at p (kind `kind`) as floats, scales not applied. fp8 codes become fp16
  * ones as in load16 of the AVX-512 path: e5m2 is the top byte of an fp16; e4m3's bits
- * shifted into fp16's fields read 2^-8 of the value, restored exactly by a multiply. */
+ * shifted into fp16's fields read exactly 2^-8 of the value, the factor 256 left to the
+ * row scale (load_tile: one multiply per row instead of one per 8 values). */
 static inline __attribute__((always_inline)) __m256 load8(const void *p, const int kind) {
     switch (kind) {
     case KIND_F32: return _mm256_loadu_ps(p);
@@ -107,7 +108,7 @@ static inline __attribute__((always_inline)) __m256 load8(const void *p, const i
         __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
         __m128i h16 = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8),
                                    _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7f)), 7));
-        return _mm256_mul_ps(_mm256_cvtph_ps(h16), _mm256_set1_ps(256.0f));
+        return _mm256_cvtph_ps(h16);
     }
     }
 }
@@ -146,7 +147,7 @@ rows8_u4(const uint8_t *base, size_t stride, int nt, const int D, const _Float16
 
 /* Rows t0 .. t0 + nt of head h of block j (the staged own block when j == own) into
  * tile[TILE][D] in load_raw's order, rows past nt zero; each row's remaining scale in rsc
- * (per-token 8-bit scales; 1 otherwise). Pool rows are converted in vectors with the format
+ * (per-token 8-bit scales, times 256 for e4m3 rows: see load8; 1 otherwise). Pool rows are converted in vectors with the format
  * switch outside the row loop; the staged block, block scales that are not folded (per-block
  * value scales) and int4 rows of odd shapes take load_row/load_staged. */
 static inline __attribute__((always_inline)) void
@@ -179,8 +180,9 @@ load_tile(const kv_side *s, const int64_t *table, int j, int own, const void *ow
         case KIND_E4M3: rows8(base, H * row_bytes, nt, KIND_E4M3, D, tile); break;
         case KIND_E5M2: rows8(base, H * row_bytes, nt, KIND_E5M2, D, tile); break;
         }
-        if (s->scale_mode == SCALE_TOKEN)
-            for (int t = 0; t < nt; t++) rsc[t] = (float)s->scale[tok0 + (size_t)t * H];
+        float unit = s->kind == KIND_E4M3 ? 256.0f : 1.0f; /* see load8 */
+        for (int t = 0; t < nt; t++)
+            rsc[t] = s->scale_mode == SCALE_TOKEN ? unit * (float)s->scale[tok0 + (size_t)t * H] : unit;
     }
     for (int t = nt; t < TILE; t++) memset(tile + t * D, 0, sizeof(float) * D);
 }
