@@ -181,8 +181,9 @@ load_tile(const kv_side *s, const int64_t *table, int j, int own, const void *ow
         case KIND_E5M2: rows8(base, H * row_bytes, nt, KIND_E5M2, D, tile); break;
         }
         float unit = s->kind == KIND_E4M3 ? 256.0f : 1.0f; /* see load8 */
+        int token_scale = s->scale_mode == SCALE_TOKEN;
         for (int t = 0; t < nt; t++)
-            rsc[t] = s->scale_mode == SCALE_TOKEN ? unit * (float)s->scale[tok0 + (size_t)t * H] : unit;
+            rsc[t] = token_scale ? unit * (float)s->scale[tok0 + (size_t)t * H] : unit;
     }
     for (int t = nt; t < TILE; t++) memset(tile + t * D, 0, sizeof(float) * D);
 }
