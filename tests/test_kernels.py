@@ -92,6 +92,24 @@ def test_fused_decode_equals_sdpa_and_reference(k_dtype: str, v_dtype: str, k_sc
 
 
 @pytest.mark.usefixtures("fused_kernel")
+@pytest.mark.parametrize("head_dim", [40, 72])
+@pytest.mark.parametrize("k_dtype, v_dtype, k_scale",
+                         [f for f in FORMATS if "int4" not in f[:2]])  # int4: head_dim % 32
+def test_fused_decode_head_dims_of_eight_lanes(k_dtype: str, v_dtype: str, k_scale: str,
+                                               head_dim: int) -> None:
+    """Head dims that are multiples of 8, not 16 (the AVX2 path's; the portable loop's with
+    AVX-512): 72 takes a 64-channel register chunk and an 8-channel one."""
+    lens = [1, 17, 100]
+    cache, staging, step, meta = _decode_step(k_dtype, v_dtype, k_scale, head_dim, lens,
+                                              torch.float32)
+    fused, attn = _decode(cache, staging, step, meta, torch.float32, kernel=True)
+    reference = reference_paged_attention(cache, 0, step[0], meta, head_dim ** -0.5,
+                                          torch.float32, staging)
+    assert attn.path_counts == {"fused_decode": 1}
+    torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.usefixtures("fused_kernel")
 @pytest.mark.parametrize("k_dtype, v_dtype, k_scale", [FORMATS[1], FORMATS[4], FORMATS[5],
                                                        FORMATS[8]])
 def test_fused_decode_splits_a_long_sequence(k_dtype: str, v_dtype: str, k_scale: str) -> None:
@@ -128,7 +146,7 @@ def test_fused_decode_query_groups_over_ragged_blocks(k_dtype: str, v_dtype: str
 @pytest.mark.parametrize("k_dtype, v_dtype, k_scale", FORMATS)
 def test_portable_decode_loop_equals_reference(k_dtype: str, v_dtype: str, k_scale: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """The portable loop (CPUs without AVX-512, other head dims) on this CPU too."""
+    """The portable loop (CPUs without AVX-512 or AVX2, other head dims) on this CPU too."""
     lib = build.load(kernels.SOURCE)
     monkeypatch.setattr(kernels._KERNEL, "_loaded",
                         kernels.DecodeKernel(lib, "paged_decode_portable"))

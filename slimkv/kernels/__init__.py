@@ -72,8 +72,9 @@ class DecodeKernel:
     """``paged_decode`` with argument types; see :meth:`__call__`."""
 
     def __init__(self, lib: ctypes.CDLL, name: str = "paged_decode") -> None:
-        """``name``: ``paged_decode`` (AVX-512 where built for it, else the portable loop)
-        or ``paged_decode_portable`` (the portable loop always: tests)."""
+        """``name``: ``paged_decode`` (the tiled AVX-512 or AVX2 path where built for one,
+        else the portable loop) or ``paged_decode_portable`` (the portable loop always:
+        tests)."""
         self._fn = getattr(lib, name)
         i32, ptr, side = ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(KVSide)
         self._fn.argtypes = [ptr, ptr, i32, i32, i32, i32, i32, ptr, i32, ptr, side, side,

@@ -66,36 +66,6 @@ static inline __attribute__((always_inline)) float softmax_numerators(float *sc,
     return m;
 }
 
-/* Part `part` of `parts` of a block of side s (all heads' rows and their scales): which of
- * its cache lines, worked out once per call (the divisions cost as much as a tile's
- * conversions when done per block). */
-typedef struct { size_t bytes, n, l0, l1, s0, s1; } pf_span;
-
-static inline pf_span prefetch_span(const kv_side *s, int H, int bs, const int D, int part,
-                                    int parts) {
-    pf_span p;
-    p.bytes = (size_t)bs * H * s->width * elem_size(s->kind);
-    size_t lines = (p.bytes + 63) / 64;
-    p.l0 = lines * part / parts, p.l1 = lines * (part + 1) / parts;
-    p.n = s->scale_mode == SCALE_BLOCK ? (size_t)H * D : (size_t)bs * H * s->groups;
-    lines = s->scale_mode == SCALE_NONE ? 0 : (2 * p.n + 63) / 64;
-    p.s0 = lines * part / parts, p.s1 = lines * (part + 1) / parts;
-    return p;
-}
-
-/* The span p of block blk on its way to L1: callers spread a block over its heads' tiles, as
- * a burst of a whole block's lines stalls on the core's few outstanding misses (attn_ab
- * 16 x 2K: int8 -11%, int4 -15%). */
-static inline __attribute__((always_inline)) void
-prefetch_block(const kv_side *s, int64_t blk, const pf_span *p) {
-    const char *base = (const char *)s->data + (size_t)blk * p->bytes;
-    for (size_t l = p->l0; l < p->l1; l++) _mm_prefetch(base + 64 * l, _MM_HINT_T0);
-    for (size_t l = p->s0; l < p->s1; l++) {
-        _mm_prefetch((const char *)(s->scale + blk * p->n) + 64 * l, _MM_HINT_T0);
-        if (s->zero) _mm_prefetch((const char *)(s->zero + blk * p->n) + 64 * l, _MM_HINT_T0);
-    }
-}
-
 /* load_block_scale with vector conversions (int4 sides keep the scalar permuting loop). */
 static inline __attribute__((always_inline)) void
 block_scale(const kv_side *s, int64_t blk, int h, int H, const int D, float *bsc, float *bz,
