@@ -6,7 +6,8 @@
  * and serves the G query heads of the group: Q.K keeps 16 vector accumulators per head and
  * sums them with one transpose-reduce (16 scores in one vector, no horizontal sum per dot);
  * P.V accumulates D/16 vectors per head in registers with the row scale folded into p. A
- * sequence's blocks lie anywhere in the pool, so the next blocks are prefetched in software.
+ * sequence's blocks lie anywhere in the pool, so the next blocks are prefetched in software
+ * (prefetch_block, in paged_decode.c: shared with the AVX2 path of paged_decode_avx2.h).
  */
 enum { TILE = 16, MAX_D = 256, PREFETCH = 2 }; /* head dims: multiples of 16 up to MAX_D */
 
