@@ -1,7 +1,8 @@
 """The one-call decode step (slimkv.kernels.step) against the per-op path it replaces: the
 same greedy tokens and bit-identical logits at every step, for one and several sequences,
-across block boundaries (filled blocks go to the pool), staged (int8) and unstaged (bf16)
-KV, with both activation modes."""
+across block boundaries (filled blocks go to the pool), staged (int8) and unstaged KV (`auto`:
+the model dtype, bfloat16 or float32 by CPU; a pool in another float dtype takes the per-op
+path), with both activation modes."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def _run(engine, one_call: bool, num_seqs: int, new_tokens: int):
     return [s.token_ids for s in seqs], logits, calls[0]
 
 
-@pytest.fixture(scope="module", params=["int8", "bfloat16"])
+@pytest.fixture(scope="module", params=["int8", "auto"])
 def engine(request):
     return engine_for(Config.load(), request.param, 6, 128)
 
@@ -55,7 +56,7 @@ def test_one_call_step_equals_the_per_op_path(engine, num_seqs: int) -> None:
     assert len(logits_c) == len(logits)
     for step, (a, b) in enumerate(zip(logits, logits_c)):
         assert torch.equal(a, b), f"step {step}: max |diff| {(a - b).abs().max()}"
-    assert calls >= 23  # int8 KV is staged, bf16 KV is not: the step takes both
+    assert calls >= 23  # int8 KV is staged, model-dtype KV is not: the step takes both
 
 
 def test_precise_activations_too(engine) -> None:
