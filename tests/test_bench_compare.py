@@ -9,8 +9,8 @@ import pytest
 
 from slimkv.bench.compare import (batched, decode_rate, decode_steps, engine_for, median_of,
                                   median_row, prefill_rate, take_turns)
-from slimkv.bench.compare_report import TARGETS, ratios, verdicts
-from slimkv.bench.peers import Peers
+from slimkv.bench.compare_report import TARGETS, ratios, verdicts, vllm_8bit_basis
+from slimkv.bench.peers import Peers, root_error
 from tests.conftest import small_config
 
 
@@ -43,6 +43,26 @@ def test_ratios_divide_like_for_like_and_verdicts_follow_the_targets() -> None:
     assert verdict["step_int4_over_int8_b32"] == "missed"
     assert verdict["single_decode_d2048_vs_llamacpp"] == "missed"   # target 1.0
     assert verdict["prefill_2048_vs_llamacpp"] == "met"             # target 1.5
+
+
+def test_8bit_row_falls_back_to_vllms_default_kv_only_where_its_fp8_could_not_run() -> None:
+    slim = _slim(1.0, 1.0, 1.0)
+    failed = {"auto": {"total_tok_s": 400.0}, "fp8": {"skipped": "bench_vllm.py failed"}}
+    assert vllm_8bit_basis(failed) == "auto"
+    assert ratios(slim, failed, {})["batched_8bit_kv_vs_vllm"] == 1.5
+    ran = {"auto": {"total_tok_s": 400.0}, "fp8": {"total_tok_s": 500.0}}
+    assert vllm_8bit_basis(ran) == "fp8"
+    assert ratios(slim, ran, {})["batched_8bit_kv_vs_vllm"] == 1.2
+    assert ratios(slim, {"auto": {"total_tok_s": 400.0}}, {})["batched_8bit_kv_vs_vllm"] is None
+
+
+def test_a_failed_peer_is_skipped_with_its_root_exception() -> None:
+    stderr = ("INFO starting\n(Worker pid=1) ERROR [x.py:10] WorkerProc hit an exception.\n"
+              "(Worker pid=1) ERROR [x.py:10] NotImplementedError: FP8 KV cache on CPU requires "
+              "x86 with AVX-512 or AMX.\nRuntimeError: Engine core initialization failed.\n")
+    assert root_error(stderr) == ("NotImplementedError: FP8 KV cache on CPU requires x86 with "
+                                  "AVX-512 or AMX.")
+    assert root_error("no exception here\n") == "no exception here"
 
 
 def test_missing_peers_are_not_measured_rather_than_faked(tmp_path: Path) -> None:

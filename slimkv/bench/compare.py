@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from slimkv.bench.compare_report import TARGETS, ratios, verdicts
+from slimkv.bench.compare_report import TARGETS, ratios, verdicts, vllm_8bit_basis
 from slimkv.bench.engine import machine_info
 from slimkv.bench.peers import Peers
 from slimkv.config import Config
@@ -219,5 +219,6 @@ def bench_compare(config: Config, kv_dtypes: list[str], peers: Peers | None, rep
                           "parallel8": "8 seqs, 16-token prompts, 128 new tokens each",
                           "single": "1 seq, 128 new tokens after 16 / 2048 prompt tokens"},
             "slimkv": slim, "vllm_cpu": vllm, "llamacpp": llama, "ratios": values,
+            "vllm_kv_for_8bit_row": vllm_8bit_basis(vllm),
             "targets": {k: {"target": t, "higher_is_better": h} for k, (t, h) in TARGETS.items()},
             "verdicts": verdicts(values)}

@@ -8,6 +8,7 @@ whose environment or script is missing is skipped with the reason, never faked.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -61,5 +62,15 @@ class Peers:
                 return {"skipped": f"{script} ran past {self.timeout_s:.0f} s"}
             if proc.returncode or not out.exists():
                 return {"skipped": f"{script} failed (exit {proc.returncode}): "
-                                   f"{proc.stderr.strip()[-400:]}"}
+                                   f"{root_error(proc.stdout + proc.stderr)}"}
             return json.loads(out.read_text())
+
+
+def root_error(stderr: str) -> str:
+    """The first exception line of a peer's output (the cause, before the wrappers that
+    re-raise it; vLLM logs its workers' tracebacks on stdout), else its last 400 characters."""
+    for line in stderr.splitlines():
+        found = re.search(r"\b\w*(Error|Exception): .*", line)
+        if found:
+            return found.group(0).strip()[:400]
+    return stderr.strip()[-400:]
