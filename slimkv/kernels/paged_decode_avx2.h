@@ -150,14 +150,17 @@ static inline __attribute__((always_inline)) void
 rows8_u4(const uint8_t *base, size_t stride, int nt, const int D, const _Float16 *scale,
          const _Float16 *zero, size_t scale_stride, int gs, float *tile) {
     const __m256i low = _mm256_set1_epi32(15);
+    __m256 sc = _mm256_setzero_ps(), z = sc;
     for (int t = 0; t < nt; t++)
         for (int i = 0; i < D / 2; i += 8) {
             __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(base + t * stride + i)));
             __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(x, low));
             __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(x, 4));
             if (scale) {
-                size_t g = t * scale_stride + i / gs;
-                __m256 sc = _mm256_set1_ps((float)scale[g]), z = _mm256_set1_ps((float)zero[g]);
+                if (i % gs == 0) { /* a group's first 8: its scale and zero, once */
+                    size_t g = t * scale_stride + i / gs;
+                    sc = _mm256_set1_ps((float)scale[g]), z = _mm256_set1_ps((float)zero[g]);
+                }
                 lo = _mm256_fmadd_ps(lo, sc, z);
                 hi = _mm256_fmadd_ps(hi, sc, z);
             }
