@@ -55,18 +55,18 @@ micro2(const uint8_t *w, const int bits, int nb, int t0, const int NH, const int
     const size_t tstride = (size_t)nb * GB;
     const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const __m256i top = _mm256_set1_epi8((char)0x80);
-    __m256 facc[MR][NH];
+    __m256 facc[4][4]; /* fixed sizes (MR, NH <= 4): a VLA stays on the stack */
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NH; j++) facc[i][j] = _mm256_setzero_ps();
     const uint8_t *g0 = w + (size_t)t0 * tstride;
     for (int b = 0; b < nb; b++) {
-        __m256i iacc[MR][NH];
+        __m256i iacc[4][4];
         for (int i = 0; i < MR; i++)
             for (int j = 0; j < NH; j++) iacc[i][j] = _mm256_setzero_si256();
         const uint8_t *g = g0 + (size_t)b * GB;
         if (bits == 4) {
             for (int c = 0; c < 4; c++) {
-                __m256i wl[NH], wh[NH];
+                __m256i wl[4], wh[4];
                 for (int j = 0; j < NH; j++) {
                     __m256i raw = _mm256_loadu_si256((const __m256i *)(half_at(g, tstride, j) + 64 * c));
                     wl[j] = _mm256_and_si256(raw, lo4);
@@ -84,7 +84,7 @@ micro2(const uint8_t *w, const int bits, int nb, int t0, const int NH, const int
                 for (int j = 0; j < NH; j++) iacc[i][j] = _mm256_madd_epi16(iacc[i][j], ones);
         } else {
             for (int c = 0; c < 8; c++) {
-                __m256i ws[NH], wa[NH];
+                __m256i ws[4], wa[4];
                 for (int j = 0; j < NH; j++) {
                     __m256i raw = _mm256_loadu_si256((const __m256i *)(half_at(g, tstride, j) + 64 * c));
                     ws[j] = _mm256_xor_si256(raw, top); /* q - 128 as a signed byte */
@@ -122,23 +122,23 @@ microf2(const uint8_t *w, const int bits, int nb, int t0, const int NH, const fl
     const int CB = code_bytes(bits), GB = group_bytes(bits);
     const size_t tstride = (size_t)nb * GB;
     const __m256i mask = _mm256_set1_epi32(bits == 4 ? 0x0F : 0xFF);
-    __m256 facc[MR][NH];
+    __m256 facc[4][4]; /* fixed sizes (MR, NH <= 4): a VLA stays on the stack */
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NH; j++) facc[i][j] = _mm256_setzero_ps();
     const uint8_t *g0 = w + (size_t)t0 * tstride;
     for (int b = 0; b < nb; b++) {
-        __m256 gacc[MR][NH];
+        __m256 gacc[4][4];
         for (int i = 0; i < MR; i++)
             for (int j = 0; j < NH; j++) gacc[i][j] = _mm256_setzero_ps();
         const uint8_t *g = g0 + (size_t)b * GB;
         for (int c = 0; c < CB / 64; c++) {
-            __m256i raw[NH];
+            __m256i raw[4];
             for (int j = 0; j < NH; j++)
                 raw[j] = _mm256_loadu_si256((const __m256i *)(half_at(g, tstride, j) + 64 * c));
             for (int t = 0; t < (bits == 4 ? 8 : 4); t++) {
                 int shift = bits == 4 ? (t % 4) * 8 + (t / 4) * 4 : 8 * t;
                 int k = bits == 4 ? 4 * c + t % 4 + 16 * (t / 4) : 4 * c + t;
-                __m256 wf[NH];
+                __m256 wf[4];
                 for (int j = 0; j < NH; j++)
                     wf[j] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw[j], shift), mask));
                 for (int i = 0; i < MR; i++) {
