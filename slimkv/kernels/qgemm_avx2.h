@@ -65,6 +65,7 @@ micro2(const uint8_t *w, const int bits, int nb, int t0, const int NH, const int
             for (int j = 0; j < NH; j++) iacc[i][j] = _mm256_setzero_si256();
         const uint8_t *g = g0 + (size_t)b * GB;
         if (bits == 4) {
+#pragma GCC unroll 1 /* unrolled, GCC hoisted every product ahead and spilled them */
             for (int c = 0; c < 4; c++) {
                 __m256i wl[4], wh[4];
                 for (int j = 0; j < NH; j++) {
@@ -83,6 +84,7 @@ micro2(const uint8_t *w, const int bits, int nb, int t0, const int NH, const int
             for (int i = 0; i < MR; i++)
                 for (int j = 0; j < NH; j++) iacc[i][j] = _mm256_madd_epi16(iacc[i][j], ones);
         } else {
+#pragma GCC unroll 1
             for (int c = 0; c < 8; c++) {
                 __m256i ws[4], wa[4];
                 for (int j = 0; j < NH; j++) {
