@@ -66,11 +66,11 @@ class Peers:
             return json.loads(out.read_text())
 
 
-def root_error(stderr: str) -> str:
+def root_error(output: str) -> str:
     """The first exception line of a peer's output (the cause, before the wrappers that
     re-raise it; vLLM logs its workers' tracebacks on stdout), else its last 400 characters."""
-    for line in stderr.splitlines():
+    for line in output.splitlines():
         found = re.search(r"\b\w*(Error|Exception): .*", line)
         if found:
             return found.group(0).strip()[:400]
-    return stderr.strip()[-400:]
+    return output.strip()[-400:]
