@@ -98,9 +98,10 @@ floats8(const _Float16 *src, int u4, const int n, float *out) {
 
 /* load_block_scale with vector conversions (int4 sides de-interleaved by floats8 where D is
  * a multiple of 16; the scalar permuting loop cost int4 keys ~12% of the attention at
- * 32 x 2K). */
+ * 32 x 2K); the zeros only when `zeros` (keys fold theirs into q.z instead). */
 static inline __attribute__((always_inline)) void
-block_scale(const kv_side *s, int64_t blk, int h, int H, const int D, float *bsc, float *bz) {
+block_scale(const kv_side *s, int64_t blk, int h, int H, const int D, float *bsc, float *bz,
+            int zeros) {
     int u4 = s->kind == KIND_U4;
     if (s->scale_mode != SCALE_BLOCK || (u4 && D % 16)) {
         load_block_scale(s, blk, h, H, D, bsc, bz);
@@ -108,7 +109,7 @@ block_scale(const kv_side *s, int64_t blk, int h, int H, const int D, float *bsc
     }
     size_t at = ((size_t)blk * H + h) * D;
     floats8(s->scale + at, u4, D, bsc);
-    if (s->zero) floats8(s->zero + at, u4, D, bz);
+    if (zeros && s->zero) floats8(s->zero + at, u4, D, bz);
 }
 
 /* 8 stored values at p (kind `kind`) as floats, scales not applied. fp8 codes become fp16
@@ -288,7 +289,7 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
             const float *qk = qp + h * G * D;
             int zeroed = j != own && fold && k->zero;
             if (j != own && fold) { /* q.(raw * s + z) = (q * s).raw + q.z */
-                block_scale(k, table[j], h, H, D, bsc, bz);
+                block_scale(k, table[j], h, H, D, bsc, bz, 0);
                 for (int g = 0; g < G; g++)
                     for (int d = 0; d < D; d++) qs[g * D + d] = qk[g * D + d] * bsc[d];
                 qk = qs;
@@ -320,7 +321,7 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
         for (int h = 0; h < H; h++) {
             if (j + PREFETCH < j1 && j + PREFETCH != own)
                 prefetch_block(v, table[j + PREFETCH], vspan + h);
-            if (j != own) block_scale(v, table[j], h, H, D, bsc, bz);
+            if (j != own) block_scale(v, table[j], h, H, D, bsc, bz, 1);
             for (int t0 = 0; t0 < nj; t0 += TILE) {
                 int nt = nj - t0 < TILE ? nj - t0 : TILE;
                 load_tile(v, table, j, own, own_v, own_kind, slot, t0, nt, h, H, bs, D, 0, bsc,
