@@ -98,10 +98,9 @@ floats8(const _Float16 *src, int u4, const int n, float *out) {
 
 /* load_block_scale with vector conversions (int4 sides de-interleaved by floats8 where D is
  * a multiple of 16; the scalar permuting loop cost int4 keys ~12% of the attention at
- * 32 x 2K); the zeros only when `zeros` (keys fold theirs into q.z instead). */
+ * 32 x 2K). */
 static inline __attribute__((always_inline)) void
-block_scale(const kv_side *s, int64_t blk, int h, int H, const int D, float *bsc, float *bz,
-            int zeros) {
+block_scale(const kv_side *s, int64_t blk, int h, int H, const int D, float *bsc, float *bz) {
     int u4 = s->kind == KIND_U4;
     if (s->scale_mode != SCALE_BLOCK || (u4 && D % 16)) {
         load_block_scale(s, blk, h, H, D, bsc, bz);
@@ -109,7 +108,7 @@ block_scale(const kv_side *s, int64_t blk, int h, int H, const int D, float *bsc
     }
     size_t at = ((size_t)blk * H + h) * D;
     floats8(s->scale + at, u4, D, bsc);
-    if (zeros && s->zero) floats8(s->zero + at, u4, D, bz);
+    if (s->zero) floats8(s->zero + at, u4, D, bz);
 }
 
 /* 8 stored values at p (kind `kind`) as floats, scales not applied. fp8 codes become fp16
@@ -191,9 +190,12 @@ load_tile(const kv_side *s, const int64_t *table, int j, int own, const void *ow
         }
     } else if (u4) {
         const uint8_t *rows = (const uint8_t *)base;
-        if (s->scale_mode == SCALE_TOKEN)
-            rows8_u4(rows, H * row_bytes, nt, D, s->scale + tok0 * s->groups,
-                     s->zero + tok0 * s->groups, (size_t)H * s->groups, gs, tile);
+        const _Float16 *sc = s->scale + tok0 * s->groups, *z = s->zero + tok0 * s->groups;
+        size_t sstride = (size_t)H * s->groups;
+        if (s->scale_mode == SCALE_TOKEN && gs == 16) /* groups of 32: i % gs folds away */
+            rows8_u4(rows, H * row_bytes, nt, D, sc, z, sstride, 16, tile);
+        else if (s->scale_mode == SCALE_TOKEN)
+            rows8_u4(rows, H * row_bytes, nt, D, sc, z, sstride, gs, tile);
         else
             rows8_u4(rows, H * row_bytes, nt, D, NULL, NULL, 0, gs, tile);
     } else {
@@ -288,22 +290,18 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
                 prefetch_block(v, table[jv], vspan + h);
             const float *qk = qp + h * G * D;
             int zeroed = j != own && fold && k->zero;
-            if (j != own && fold) { /* q.(raw * s + z) = (q * s).raw + q.z */
-                block_scale(k, table[j], h, H, D, bsc, bz, 0);
-                for (int g = 0; g < G; g++)
-                    for (int d = 0; d < D; d++) qs[g * D + d] = qk[g * D + d] * bsc[d];
-                qk = qs;
-            }
-            if (zeroed) { /* q.z in channel order: 8 lanes per head (see tile_scores) */
-                const _Float16 *z = k->zero + ((size_t)table[j] * H + h) * D;
+            if (j != own && fold) { /* q.(raw * s + z) = (q * s).raw + q.z, in one pass */
+                block_scale(k, table[j], h, H, D, bsc, bz);
                 for (int g = 0; g < G; g++) {
-                    const float *qg = q + (size_t)(h * G + g) * D;
-                    __m256 s = _mm256_setzero_ps();
-                    for (int d = 0; d < D; d += 8)
-                        s = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(qg + d), _mm256_set1_ps(sm_scale)),
-                                            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(z + d))), s);
-                    _mm256_storeu_ps(qz + 8 * g, s);
+                    __m256 z = _mm256_setzero_ps();
+                    for (int d = 0; d < D; d += 8) {
+                        __m256 qv = _mm256_loadu_ps(qk + g * D + d);
+                        _mm256_storeu_ps(qs + g * D + d, _mm256_mul_ps(qv, _mm256_loadu_ps(bsc + d)));
+                        if (zeroed) z = _mm256_fmadd_ps(qv, _mm256_loadu_ps(bz + d), z);
+                    }
+                    _mm256_storeu_ps(qz + 8 * g, z); /* 8 lanes per head (see tile_scores) */
                 }
+                qk = qs;
             }
             for (int t0 = 0; t0 < nj; t0 += TILE) {
                 int nt = nj - t0 < TILE ? nj - t0 : TILE;
@@ -321,7 +319,7 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
         for (int h = 0; h < H; h++) {
             if (j + PREFETCH < j1 && j + PREFETCH != own)
                 prefetch_block(v, table[j + PREFETCH], vspan + h);
-            if (j != own) block_scale(v, table[j], h, H, D, bsc, bz, 1);
+            if (j != own) block_scale(v, table[j], h, H, D, bsc, bz);
             for (int t0 = 0; t0 < nj; t0 += TILE) {
                 int nt = nj - t0 < TILE ? nj - t0 : TILE;
                 load_tile(v, table, j, own, own_v, own_kind, slot, t0, nt, h, H, bs, D, 0, bsc,
