@@ -521,11 +521,53 @@ static void qdequant_bf16(const uint8_t *w, int bits, int N, int K, uint16_t *ou
 }
 #endif
 
+#if defined(__AVX2__) && defined(__F16C__)
+/* qdequant to float32, a tile's group at a time: the 16 rows' code bytes gathered back into
+ * the original order, each row's 32 codes widened 8 at a time. d * q is exact in float32
+ * (11-bit d times an 8-bit code), so + m rounds once, as the reference's two steps do. */
+static void qdequant_f32(const uint8_t *w, int bits, int N, int K, float *out) {
+    int nb = K / 32, GB = group_bytes(bits), CB = code_bytes(bits), chunks = CB / 64;
+    const __m128i low = _mm_set1_epi8(15);
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < (N + 15) / 16; t++)
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *g = w + ((size_t)t * nb + b) * GB;
+            uint32_t rows[16][8];
+            float d[16], m[16];
+            for (int c = 0; c < chunks; c++)
+                for (int r = 0; r < 16; r++) memcpy(&rows[r][c], g + c * 64 + 4 * r, 4);
+            for (int h = 0; h < 2; h++) {
+                _mm256_storeu_ps(d + 8 * h, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + CB + 16 * h))));
+                _mm256_storeu_ps(m + 8 * h, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + CB + 32 + 16 * h))));
+            }
+            for (int r = 0; r < 16 && t * 16 + r < N; r++) {
+                __m128i x = _mm_loadu_si128((const __m128i *)rows[r]), codes[2];
+                codes[0] = bits == 8 ? x : _mm_and_si128(x, low);
+                codes[1] = bits == 8 ? _mm_loadu_si128((const __m128i *)rows[r] + 1)
+                                     : _mm_and_si128(_mm_srli_epi16(x, 4), low);
+                __m256 dv = _mm256_set1_ps(d[r]), mv = _mm256_set1_ps(m[r]);
+                float *o = out + (size_t)(t * 16 + r) * K + b * 32;
+                for (int j = 0; j < 4; j++) {
+                    __m128i c8 = j % 2 ? _mm_srli_si128(codes[j / 2], 8) : codes[j / 2];
+                    __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c8));
+                    _mm256_storeu_ps(o + 8 * j, _mm256_add_ps(_mm256_mul_ps(dv, q), mv));
+                }
+            }
+        }
+}
+#endif
+
 void qdequant(const uint8_t *w, int bits, int N, int K, void *out, int out_bf16) {
     int nb = K / 32, GB = group_bytes(bits), chunks = code_bytes(bits) / 64;
 #if QG_NATIVE && defined(__AVX512BF16__)
     if (out_bf16) {
         qdequant_bf16(w, bits, N, K, out);
+        return;
+    }
+#endif
+#if defined(__AVX2__) && defined(__F16C__)
+    if (!out_bf16) {
+        qdequant_f32(w, bits, N, K, out);
         return;
     }
 #endif
