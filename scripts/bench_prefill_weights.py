@@ -1,0 +1,56 @@
+"""The GEMM path of a prefill chunk's 120 projections (SmolLM2-135M's Q4_1 layer shapes, 30
+layers): dequantizing the packed weights (qgemm.c ``qdequant``) and the float GEMM over them,
+in the model dtype ``auto`` picks here (or the one named), best of 5 per shape. Random
+codes: speed only.
+
+    flock /tmp/slimkv-cpu.lock .venv/bin/python scripts/bench_prefill_weights.py [ROWS ...]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_qgemm_step import LAYERS, SHAPES, random_weight  # noqa: E402
+
+from slimkv.kernels.qgemm import pack, qgemm_kernel  # noqa: E402
+from slimkv.runner import resolve_dtype  # noqa: E402
+
+
+def best_ms(fn, reps: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def main(rows: list[int], dtype: torch.dtype) -> None:
+    torch.set_num_threads(2)
+    kernel = qgemm_kernel()
+    weights = [(pack(w.q, w.d, w.m, w.bits), n) for n, k, bits in SHAPES
+               for w in [random_weight(n, k, bits)]]
+    print(f"dtype {dtype}; ms per chunk (x {LAYERS} layers)")
+    print("rows  dequantize_ms  gemm_ms")
+    for m in rows:
+        deq = gemm = 0.0
+        for packed, n in weights:
+            dense = kernel.dequantize(packed, n, dtype)
+            x = torch.randn(m, dense.shape[1]).to(dtype)
+            deq += best_ms(lambda: kernel.dequantize(packed, n, dtype)) * LAYERS
+            gemm += best_ms(lambda: F.linear(x, dense)) * LAYERS
+        print(f"{m:4d} {deq:14.1f} {gemm:8.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    names = [a for a in args if not a.isdigit()]
+    main([int(a) for a in args if a.isdigit()] or [512],
+         resolve_dtype(names[0] if names else "auto", torch.device("cpu")))
