@@ -9,27 +9,16 @@ codes: speed only.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_qgemm_step import LAYERS, SHAPES, random_weight  # noqa: E402
+from bench_qgemm_step import LAYERS, SHAPES, best_ms, random_weight  # noqa: E402
 
 from slimkv.kernels.qgemm import pack, qgemm_kernel  # noqa: E402
 from slimkv.runner import resolve_dtype  # noqa: E402
-
-
-def best_ms(fn, reps: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
 
 
 def main(rows: list[int], dtype: torch.dtype) -> None:
@@ -44,8 +33,8 @@ def main(rows: list[int], dtype: torch.dtype) -> None:
         for packed, n in weights:
             dense = kernel.dequantize(packed, n, dtype)
             x = torch.randn(m, dense.shape[1]).to(dtype)
-            deq += best_ms(lambda: kernel.dequantize(packed, n, dtype)) * LAYERS
-            gemm += best_ms(lambda: F.linear(x, dense)) * LAYERS
+            deq += best_ms(lambda _: kernel.dequantize(packed, n, dtype), m) * LAYERS
+            gemm += best_ms(lambda _: F.linear(x, dense), m) * LAYERS
         print(f"{m:4d} {deq:14.1f} {gemm:8.1f}", flush=True)
 
 

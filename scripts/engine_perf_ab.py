@@ -18,24 +18,12 @@ import subprocess
 import tempfile
 import time
 
-from step_ab import block  # scripts/ is on sys.path when run as a script
+from step_ab import block, prepared  # scripts/ is on sys.path when run as a script
 
-from slimkv.bench.compare import decode_budget, engine_for, greedy, prefill_rate
+from slimkv.bench.compare import decode_budget
 from slimkv.config import Config
-from slimkv.workload import random_prompt
 
 HZ = 2000
-
-
-def ready_engine(config: Config, kv: str, seqs: int, context: int, new: int):
-    engine = engine_for(config, kv, seqs, context + new + 16)
-    prefill_rate(engine, 16)  # warm-up
-    vocab = engine.model_args.vocab_size
-    running = [engine.add_request(random_prompt(context, vocab, seed=i), greedy(new))
-               for i in range(seqs)]
-    while any(s.num_output_tokens == 0 for s in running):
-        engine.step()
-    return engine
 
 
 def recorded_block(engine, steps: int, out: str) -> float:
@@ -75,7 +63,7 @@ def main() -> None:
     config = Config.load(None)
     new = decode_budget(config.scheduler.max_num_batched_tokens, [args.seqs], args.context,
                         args.steps * (args.reps + 1) + 2)
-    engines = {kv: ready_engine(config, kv, args.seqs, args.context, new) for kv in args.kv}
+    engines = {kv: prepared(config, kv, True, args.context, new, args.seqs)[0] for kv in args.kv}
     for engine in engines.values():
         block(engine, 2)
     columns: dict[str, dict[str, float]] = {}

@@ -38,17 +38,18 @@ def ordinary(shape, value, dtype, device):
     return torch.full(shape, value, dtype=dtype, device=device)
 
 
-def prepared(config: Config, kv: str, huge: bool, context: int, new_tokens: int):
+def prepared(config: Config, kv: str, huge: bool, context: int, new_tokens: int,
+             num_seqs: int = 32):
     real = cache_module.filled
     cache_module.filled = real if huge else ordinary
     try:
-        engine = engine_for(config, kv, 32, context + new_tokens + 16)
+        engine = engine_for(config, kv, num_seqs, context + new_tokens + 16)
     finally:
         cache_module.filled = real
     prefill_rate(engine, 16)  # warm-up
     vocab = engine.model_args.vocab_size
     seqs = [engine.add_request(random_prompt(context, vocab, seed=i), greedy(new_tokens))
-            for i in range(32)]
+            for i in range(num_seqs)]
     while any(s.num_output_tokens == 0 for s in seqs):
         engine.step()
     return engine, seqs
