@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from slimkv import prefill
 from slimkv.attention import AttentionMetadata, PagedAttention
+from slimkv.kernels.prefill_attn import prefill_kernel, prefill_kernel_unavailable_reason
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
 
@@ -18,17 +19,19 @@ HEADS, KV_HEADS, D, BLOCK = 6, 2, 32, 4
 SCALE = 1 / math.sqrt(D)
 
 
-def _outputs(k_dtype: str, k_scale: str, chunks: list[int], fast: bool) -> torch.Tensor:
-    """One sequence fed in ``chunks``; every chunk's attention output, concatenated."""
+def _outputs(k_dtype: str, k_scale: str, chunks: list[int], fast: bool,
+             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One sequence fed in ``chunks`` (model dtype ``dtype``); every chunk's attention
+    output, concatenated."""
     gen = torch.Generator().manual_seed(3)
     length = sum(chunks)
     cache = PagedKVCache(num_layers=1, num_blocks=length // BLOCK + 3, block_size=BLOCK,
                          num_kv_heads=KV_HEADS, head_dim=D, k_dtype=k_dtype, v_dtype=k_dtype,
                          k_scale=k_scale, device=torch.device("cpu"))
-    staging = Staging(cache, 2, torch.float32) if cache.block_scaled else None
-    attn = PagedAttention(cache, HEADS, SCALE, torch.float32, fast=fast, staging=staging)
-    q = torch.randn(length, HEADS, D, generator=gen) * 2
-    k, v = (torch.randn(length, KV_HEADS, D, generator=gen) * 2 for _ in range(2))
+    staging = Staging(cache, 2, dtype) if cache.block_scaled else None
+    attn = PagedAttention(cache, HEADS, SCALE, dtype, fast=fast, staging=staging)
+    q = (torch.randn(length, HEADS, D, generator=gen) * 2).to(dtype)
+    k, v = ((torch.randn(length, KV_HEADS, D, generator=gen) * 2).to(dtype) for _ in range(2))
     table = list(range(1, length // BLOCK + 3))  # block 0 left to padding
     done, outs = 0, []
     for n in chunks:
@@ -81,3 +84,42 @@ def test_plan_covers_each_query_once_with_the_keys_it_sees() -> None:
                                   (staged_pos >= own) & (staged_pos <= pos)))
             assert torch.equal(visible, expected)
             assert sorted(key_pos[visible].tolist()) == list(range(pos + 1))
+
+
+class _Counting:
+    """The prefill kernel, recording per call whether it was causal (no mask)."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.causal = kernel, []
+
+    def takes(self, *args) -> bool:
+        return self.kernel.takes(*args)
+
+    def __call__(self, q, k, v, mask, scale):
+        self.causal.append(mask is None)
+        return self.kernel(q, k, v, mask, scale)
+
+
+@pytest.mark.parametrize("k_dtype, k_scale", [("bfloat16", "per_token"),
+                                              ("int8", "per_channel_block")])
+@pytest.mark.parametrize("chunks", [[45], [6, 39]])
+def test_bf16_pieces_take_the_kernel_and_equal_reference(monkeypatch, k_dtype: str,
+                                                         k_scale: str,
+                                                         chunks: list[int]) -> None:
+    """A bf16 model's pieces (causal and masked, staged and not) run in the prefill kernel
+    where the CPU has one, and come out no further from the float32 reference than torch's
+    SDPA on the same pieces (both read keys dequantized to bf16; the kernel's own bound is
+    checked in test_prefill_kernel.py)."""
+    kernel = prefill_kernel()
+    if kernel is None:
+        pytest.skip(prefill_kernel_unavailable_reason())
+    counting = _Counting(kernel)
+    monkeypatch.setattr(prefill, "PIECE", 2 * BLOCK)
+    monkeypatch.setattr(prefill, "prefill_kernel", lambda: counting)
+    fast = _outputs(k_dtype, k_scale, chunks, fast=True, dtype=torch.bfloat16)
+    # every piece in the kernel; an unstaged cache's first chunk is one causal call
+    assert counting.causal and any(counting.causal) == (k_dtype == "bfloat16")
+    monkeypatch.setattr(prefill, "prefill_kernel", lambda: None)
+    sdpa = _outputs(k_dtype, k_scale, chunks, fast=True, dtype=torch.bfloat16)
+    reference = _outputs(k_dtype, k_scale, chunks, fast=False, dtype=torch.bfloat16).float()
+    assert (fast.float() - reference).abs().max() <= (sdpa.float() - reference).abs().max()
