@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from slimkv.kernels.prefill_attn import prefill_kernel, prefill_kernel_unavailable_reason
+from slimkv.kv.staging import staged_mask
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +66,22 @@ def test_kernel_within_bf16_rounding_of_float_attention(kernel, n: int, num_keys
     out = kernel(q, k, v, mask, scale)
     reference = _float_attention(q, k, v, mask, scale)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    error = (out.float() - reference).abs()
+    assert (error <= 2.0 ** -8 * reference.abs() + 1e-5).all(), error.max()
+
+
+def test_kernel_skips_tiles_a_staged_mask_hides(kernel) -> None:
+    """A staged piece's mask (pool keys before each query's block, staged keys of its own
+    block up to itself) hides whole 16 x 16 tiles, which the kernel skips: same bound."""
+    gen = torch.Generator().manual_seed(1)
+    rows, pool, staged = 128, 240, 128  # rows at positions 128 .. 255, a 16-token block
+    visible = staged_mask(256, rows, pool, 128, staged, 16, torch.device("cpu"))
+    mask = torch.zeros(visible.shape, dtype=torch.bfloat16).masked_fill_(~visible, float("-inf"))
+    q = (torch.randn(rows, 9, 64, generator=gen) * 2).bfloat16()
+    k = (torch.randn(pool + staged, 3, 64, generator=gen) * 2).bfloat16()
+    v = torch.randn(pool + staged, 3, 64, generator=gen).bfloat16()
+    out = kernel(q, k, v, mask, 0.125)
+    reference = _float_attention(q, k, v, mask, 0.125)
     error = (out.float() - reference).abs()
     assert (error <= 2.0 ** -8 * reference.abs() + 1e-5).all(), error.max()
 

@@ -17,7 +17,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512BF16__)
 #include "exp_avx512.h"
 
 enum { ROWS = 16, KEYS = 64, MAX_D = 256 };
@@ -107,17 +108,18 @@ softmax_block(float *s, int nk, int limit, const uint16_t *mask, float *m, float
     (void)nk;
 }
 
-/* acc[r] += sum over the block's nk keys of s[r][key] * v[key], RG rows at a time (their
- * D / 16 accumulators and one value row in registers). */
+/* acc[r] += sum over the block's keys lo .. hi of s[r][key] * v[key], RG rows at a time
+ * (their D / 16 accumulators and one value row in registers). */
 static inline __attribute__((always_inline)) void
-values_block(float (*s)[KEYS], const float *vb, int nk, const int D, float (*acc)[MAX_D]) {
+values_block(float (*s)[KEYS], const float *vb, int lo, int hi, const int D,
+             float (*acc)[MAX_D]) {
     enum { RG_MAX = 8 };
     const int RG = 256 / D < RG_MAX ? 256 / D : RG_MAX;
     for (int r0 = 0; r0 < ROWS; r0 += RG) {
         __m512 o[RG_MAX][MAX_D / 16];
         for (int g = 0; g < RG; g++)
             for (int d = 0; d < D / 16; d++) o[g][d] = _mm512_load_ps(acc[r0 + g] + 16 * d);
-        for (int key = 0; key < nk; key++)
+        for (int key = lo; key < hi; key++)
             for (int d = 0; d < D / 16; d++) {
                 __m512 x = _mm512_loadu_ps(vb + (size_t)key * D + 16 * d);
                 for (int g = 0; g < RG; g++)
@@ -126,6 +128,27 @@ values_block(float (*s)[KEYS], const float *vb, int nk, const int D, float (*acc
         for (int g = 0; g < RG; g++)
             for (int d = 0; d < D / 16; d++) _mm512_store_ps(acc[r0 + g] + 16 * d, o[g][d]);
     }
+}
+
+/* Bit c: some row r0 .. r0 + nr sees one of the keys kb + 16c .. kb + 16c + 16 (nk keys in
+ * all) under the additive bf16 mask, i.e. has an entry other than -inf (0xff80) there.
+ * Pieces' masks hide whole tiles (the pool past a row's block, the staged keys before it):
+ * those are skipped. */
+static inline __attribute__((always_inline)) unsigned
+visible_tiles(const uint16_t *mask, int64_t ms, int r0, int nr, int kb, int nk) {
+    unsigned tiles = 0;
+    for (int c = 0; 16 * c < nk; c++) {
+        int left = nk - 16 * c;
+        __mmask16 keep = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+        for (int r = 0; r < nr; r++) {
+            __m256i x = _mm256_maskz_loadu_epi16(keep, mask + (size_t)(r0 + r) * ms + kb + 16 * c);
+            if (_mm256_mask_cmpneq_epi16_mask(keep, x, _mm256_set1_epi16((short)0xff80))) {
+                tiles |= 1u << c;
+                break;
+            }
+        }
+    }
+    return tiles;
 }
 
 /* Rows r0 .. r0 + nr of query head hq (kv head h = hq / G) into out. */
@@ -147,16 +170,23 @@ attend_rows(const uint16_t *q, int64_t qs, const uint16_t *mask, int64_t ms, uin
     kmax = kmax < L ? kmax : L;
     for (int kb = 0; kb < kmax; kb += KEYS) {
         int nk = kmax - kb < KEYS ? kmax - kb : KEYS;
-        for (int c = 0; c < nk; c += 16)
-            tile_scores((const uint32_t (*)[MAX_D / 2])qp, kp + (size_t)((kb + c) / 16) * (D / 2) * 16,
-                        D, scale, s, c);
+        unsigned tiles = mask ? visible_tiles(mask, ms, r0, nr, kb, nk) : (1u << KEYS / 16) - 1;
+        if (!tiles) continue; /* nothing visible: m, l and acc stay */
+        for (int c = 0; c < nk; c += 16) {
+            if (tiles >> (c / 16) & 1)
+                tile_scores((const uint32_t (*)[MAX_D / 2])qp,
+                            kp + (size_t)((kb + c) / 16) * (D / 2) * 16, D, scale, s, c);
+            else
+                for (int r = 0; r < ROWS; r++) _mm512_store_ps(s[r] + c, _mm512_set1_ps(-INFINITY));
+        }
         for (int r = 0; r < ROWS; r++) {
             int limit = r >= nr ? 0 : mask ? nk : r0 + r + off + 1 - kb;
             limit = limit < nk ? limit : nk;
             softmax_block(s[r], nk, limit, mask ? mask + (size_t)(r0 + r) * ms + kb : NULL,
                           m + r, l + r, acc[r], D);
         }
-        values_block(s, vf + (size_t)kb * D, nk, D, acc);
+        int hi = 16 * (32 - __builtin_clz(tiles));
+        values_block(s, vf + (size_t)kb * D, 16 * __builtin_ctz(tiles), hi < nk ? hi : nk, D, acc);
     }
     for (int r = 0; r < nr; r++) {
         uint16_t *dst = out + (size_t)(r0 + r) * os + (size_t)hq * D;
