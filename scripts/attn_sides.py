@@ -5,8 +5,11 @@ extra cost is on.
 
     flock /tmp/slimkv-cpu.lock .venv/bin/python scripts/attn_sides.py
 """
-import sys, time, statistics, torch
-sys.path.insert(0, "scripts")
+import statistics
+import time
+
+import torch
+
 from slimkv.kernels import decode_kernel, describe
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
