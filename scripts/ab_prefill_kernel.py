@@ -1,6 +1,6 @@
 """The batched workload (16 x 512 + 64) with the bf16 prefill attention kernel on and off
-(torch's SDPA), alternated in one process so that the VM's drift hits both alike: wall
-seconds and tok/s per run, best and median.
+(torch's SDPA), alternated in one process so that the VM's drift hits both alike: tok/s
+per run, best and median.
 
     flock /tmp/slimkv-cpu.lock timeout 600 .venv/bin/python scripts/ab_prefill_kernel.py bfloat16 [pairs]
 """

@@ -40,6 +40,11 @@ static void pack_keys(const uint16_t *k, int64_t ks, int L, int H, int D, uint32
         }
 }
 
+/* 16 bf16 values as float32 (bf16 is the top half of a float32). */
+static inline __attribute__((always_inline)) __m512 widen16(__m256i x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+
 /* Values of every head as float32 [H][L][D]. */
 static void widen_values(const uint16_t *v, int64_t vs, int L, int H, int D, float *vf) {
 #pragma omp parallel for collapse(2) schedule(static)
@@ -48,8 +53,7 @@ static void widen_values(const uint16_t *v, int64_t vs, int L, int H, int D, flo
             const uint16_t *row = v + (size_t)j * vs + (size_t)h * D;
             float *dst = vf + ((size_t)h * L + j) * D;
             for (int d = 0; d < D; d += 16)
-                _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + d))), 16)));
+                _mm512_storeu_ps(dst + d, widen16(_mm256_loadu_si256((const __m256i *)(row + d))));
         }
 }
 
@@ -69,10 +73,10 @@ tile_scores(const uint32_t (*qp)[MAX_D / 2], const uint32_t *kt, const int D, fl
         _mm512_store_ps(s[r] + col, _mm512_mul_ps(a[r], _mm512_set1_ps(scale)));
 }
 
-/* The online softmax of row r over one block of nk keys (scores in s, visible below `limit`,
+/* The online softmax of a row over one block of keys (scores in s, visible below `limit`,
  * plus the additive bf16 mask row when given): s becomes the weights, acc is rescaled. */
 static inline __attribute__((always_inline)) void
-softmax_block(float *s, int nk, int limit, const uint16_t *mask, float *m, float *l,
+softmax_block(float *s, int limit, const uint16_t *mask, float *m, float *l,
               float *acc, const int D) {
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int i = 0; i < KEYS; i += 16) {
@@ -80,8 +84,7 @@ softmax_block(float *s, int nk, int limit, const uint16_t *mask, float *m, float
         __mmask16 keep = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
         __m512 x = _mm512_load_ps(s + i);
         if (mask)
-            x = _mm512_add_ps(x, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                _mm256_maskz_loadu_epi16(keep, mask + i)), 16)));
+            x = _mm512_add_ps(x, widen16(_mm256_maskz_loadu_epi16(keep, mask + i)));
         x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep, x);
         _mm512_store_ps(s + i, x);
         mx = _mm512_max_ps(mx, x);
@@ -105,7 +108,6 @@ softmax_block(float *s, int nk, int limit, const uint16_t *mask, float *m, float
     if (alpha != 1.0f)
         for (int d = 0; d < D; d += 16)
             _mm512_store_ps(acc + d, _mm512_mul_ps(_mm512_load_ps(acc + d), _mm512_set1_ps(alpha)));
-    (void)nk;
 }
 
 /* acc[r] += sum over the block's keys lo .. hi of s[r][key] * v[key], RG rows at a time
@@ -182,7 +184,7 @@ attend_rows(const uint16_t *q, int64_t qs, const uint16_t *mask, int64_t ms, uin
         for (int r = 0; r < ROWS; r++) {
             int limit = r >= nr ? 0 : mask ? nk : r0 + r + off + 1 - kb;
             limit = limit < nk ? limit : nk;
-            softmax_block(s[r], nk, limit, mask ? mask + (size_t)(r0 + r) * ms + kb : NULL,
+            softmax_block(s[r], limit, mask ? mask + (size_t)(r0 + r) * ms + kb : NULL,
                           m + r, l + r, acc[r], D);
         }
         int hi = 16 * (32 - __builtin_clz(tiles));
