@@ -4,7 +4,10 @@ built with the package's flags and timed in turn on one set of caches per KV dty
 best of REPS whole steps (all layers) kept: far steadier than separate runs on a shared
 machine. Prints ms per 30-layer step and the largest difference from the first build.
 
-    flock /tmp/slimkv-cpu.lock python scripts/attn_ab.py OLD_DIR,slimkv/kernels int8,int4 32 30 8
+    flock /tmp/slimkv-cpu.lock python scripts/attn_ab.py OLD_DIR,slimkv/kernels int8,int4 32 30 8 [runs]
+
+A last argument `runs` lays each sequence's blocks out in order (as the engine's prefill
+does) instead of anywhere in the pool.
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ def build(spec: str, out: Path) -> DecodeKernel:
 def main() -> None:
     specs, kvs = sys.argv[1].split(","), sys.argv[2].split(",")
     batch, layers, reps = (int(x) for x in sys.argv[3:6])
+    tables_kind = sys.argv[6] if len(sys.argv) > 6 else "random"
     with tempfile.TemporaryDirectory() as tmp:
         kernels = [build(spec, Path(tmp) / f"k{i}.so") for i, spec in enumerate(specs)]
         for kv in kvs:
-            cache, staging, tables, lens = setup(kv, batch, 2048, layers)
+            cache, staging, tables, lens = setup(kv, batch, 2048, layers, tables_kind)
             sides = [tuple(describe(cache.layer_codecs[l][s], cache.layer_pool(s, l))
                            for s in "kv") for l in range(layers)]
             q, slots = torch.randn(batch, HEADS, DIM), torch.arange(batch)

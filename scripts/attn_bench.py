@@ -19,7 +19,9 @@ from slimkv.kv.staging import Staging
 LAYERS, HEADS, KV_HEADS, DIM, BS = 30, 9, 3, 64, 16
 
 
-def setup(kv: str, batch: int, context: int, layers: int):
+def setup(kv: str, batch: int, context: int, layers: int, tables_kind: str = "random"):
+    """tables_kind: "random" (blocks anywhere in the pool) or "runs" (each sequence's blocks
+    in order, as an engine that prefilled them one after another lays them out)."""
     per_seq = -(-(context + 1) // BS)
     num_blocks = batch * per_seq + 1
     cache = PagedKVCache(num_layers=layers, num_blocks=num_blocks, block_size=BS,
@@ -38,6 +40,8 @@ def setup(kv: str, batch: int, context: int, layers: int):
     if staging is not None:
         staging.buffer.normal_(generator=gen)
     perm = torch.randperm(num_blocks - 1, generator=gen) + 1
+    if tables_kind == "runs":
+        perm = torch.arange(1, num_blocks)
     tables = perm[:batch * per_seq].view(batch, per_seq).contiguous()
     lens = torch.full((batch,), context + 1, dtype=torch.long)
     return cache, staging, tables, lens

@@ -171,6 +171,33 @@ def test_fused_decode_in_bfloat16_model_dtype() -> None:
 
 
 @pytest.mark.usefixtures("fused_kernel")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("k_dtype, v_dtype, k_scale", [f for f in FORMATS if f[2] != "per_token"])
+def test_fused_decode_reads_bfloat16_staging_as_the_portable_loop(
+        k_dtype: str, v_dtype: str, k_scale: str, head_dim: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 model's staged own blocks (1 to 16 rows: lens 5, 16, 33, 47) converted in vectors
+    by the AVX-512 path, int4 sides de-interleaved: the float32 result of the portable loop,
+    which converts row by row."""
+    captured = []
+    lib = build.load(kernels.SOURCE)
+    for name in ("paged_decode", "paged_decode_portable"):
+        kernel = kernels.DecodeKernel(lib, name)
+
+        def spy(*args, kernel=kernel):  # the float32 result, before the cast to bf16
+            captured.append(kernel(*args))
+            return captured[-1]
+
+        monkeypatch.setattr(kernels._KERNEL, "_loaded", spy)
+        cache, staging, step, meta = _decode_step(k_dtype, v_dtype, k_scale, head_dim,
+                                                  [5, 16, 33, 47], torch.bfloat16)
+        _, attn = _decode(cache, staging, step, meta, torch.bfloat16, kernel=True)
+        assert attn.path_counts == {"fused_decode": 1} and staging is not None
+    native, portable = captured
+    torch.testing.assert_close(native, portable, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.usefixtures("fused_kernel")
 def test_fused_decode_reads_each_layer_with_its_own_codec() -> None:
     """kv_cache.layer_dtypes: layer 1 stored in int4 while the default is int8."""
     cache, staging, step, meta = _decode_step("int8", "int8", "per_channel_block", 64, [7, 40],

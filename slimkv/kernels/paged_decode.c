@@ -184,7 +184,10 @@ static inline __attribute__((always_inline)) void load_staged(const kv_side *s, 
     }
     float natural[D];
     load_raw((const char *)own + row * elem_size(own_kind), own_kind, D, natural);
-    for (int d = 0; d < D; d++) out[permuted(d, 1, D)] = natural[d];
+    for (int i = 0; i < D / 2; i++) { /* permuted(): even channels, then odd ones */
+        out[i] = natural[2 * i];
+        out[D / 2 + i] = natural[2 * i + 1];
+    }
 }
 
 /* exp(x) for x <= 0 (Cephes' expf polynomial, ~1 ulp), written to vectorise. */

@@ -118,7 +118,7 @@ rows16(const char *base, size_t stride, int nt, const int kind, const int D, flo
  * straight from memory. `centered` rows hold 16 * (x - 8) instead of x, exactly and in as
  * many operations: the nibble is or-ed into the mantissa of a float whose last place is 16
  * (low nibble, 2^27) or that holds it 16 times already (high nibble, 2^23), then 2^e + 128
- * subtracted (group_scales16 gives such rows their scale / 16 and zero + 8 * scale). */
+ * subtracted (group_scales gives such rows their scale / 16 and zero + 8 * scale). */
 static inline __attribute__((always_inline)) void
 rows16_u4(const uint8_t *base, size_t stride, int nt, const int D, const _Float16 *scale,
           const _Float16 *zero, size_t scale_stride, int gs, const int centered, float *tile) {
@@ -148,58 +148,64 @@ rows16_u4(const uint8_t *base, size_t stride, int nt, const int D, const _Float1
         }
 }
 
-/* The per-token group scales and zeros of nt int4 rows (row r's at (tok0 + r * H) * groups)
- * as 16-token vectors for centered rows (see rows16_u4): gsc[g * TILE + r] = scale / 16,
- * gz = zero + 8 * scale, rows past nt zero. Even group counts gather both halves of a group
- * pair as one 32-bit lane. */
+/* The per-token group scales and zeros of nt int4 rows of every head (row r of head h at
+ * (tok0 + r * H + h) * groups, tok0 a row of head 0) as 16-token vectors for centered rows
+ * (see rows16_u4): gsc[(h * groups + g) * TILE + r] = scale / 16, gz = zero + 8 * scale, rows
+ * past nt zero. Even group counts read both halves of a group pair as one 32-bit lane: up to
+ * 64 pairs (all heads of 16 rows) with masked loads (nothing past row nt) and each head's
+ * picked out by permutes, else gathered. */
 static inline __attribute__((always_inline)) void
-group_scales16(const kv_side *s, size_t tok0, int h, int nt, int H, float *gsc, float *gz) {
-    int groups = s->groups;
+group_scales(const kv_side *s, size_t tok0, int nt, int H, float *gsc, float *gz) {
+    int groups = s->groups, P = H * groups / 2;
     __mmask16 keep = (__mmask16)((1u << nt) - 1);
+    const __m512 sixteenth = _mm512_set1_ps(0.0625f), eight = _mm512_set1_ps(8.0f);
     if (groups % 2) {
-        for (int g = 0; g < groups; g++)
-            for (int r = 0; r < TILE; r++) {
-                size_t i = (tok0 + (size_t)r * H) * groups + g;
-                gsc[g * TILE + r] = r < nt ? (float)s->scale[i] : 0.0f;
-                gz[g * TILE + r] = r < nt ? (float)s->zero[i] : 0.0f;
+        for (int h = 0; h < H; h++)
+            for (int g = 0; g < groups; g++) {
+                float *sc = gsc + (h * groups + g) * TILE, *z = gz + (h * groups + g) * TILE;
+                for (int r = 0; r < TILE; r++) {
+                    size_t i = (tok0 + (size_t)r * H + h) * groups + g;
+                    sc[r] = r < nt ? (float)s->scale[i] : 0.0f;
+                    z[r] = r < nt ? (float)s->zero[i] : 0.0f;
+                }
+                __m512 v = _mm512_load_ps(sc);
+                _mm512_store_ps(z, _mm512_fmadd_ps(v, eight, _mm512_load_ps(z)));
+                _mm512_store_ps(sc, _mm512_mul_ps(v, sixteenth));
             }
-    } else {
-        /* rows of all heads: P 32-bit group pairs each; up to 64 pairs read with masked loads
-         * (nothing past row nt) and this head's picked out by permutes, else gathered */
-        int P = H * groups / 2;
-        unsigned n = (unsigned)(nt * P);
-        const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-        for (int side = 0; side < 2; side++) {
-            const _Float16 *src = (side ? s->zero : s->scale) + (tok0 - h) * groups;
-            float *dst = side ? gz : gsc;
-            __m512i part[4];
-            for (int r = 0; P <= 4 && r < 4; r++) { /* no load past row nt: a masked-off */
-                unsigned left = n > 16u * r ? n - 16u * r : 0; /* load still waits on its line */
-                __mmask16 m = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
-                part[r] = left ? _mm512_maskz_loadu_epi32(m, (const int *)src + 16 * r)
-                               : _mm512_setzero_si512();
-            }
-            for (int g = 0; g < groups; g += 2) {
-                __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(iota, _mm512_set1_epi32(P)),
-                                               _mm512_set1_epi32((h * groups + g) / 2));
-                __m512i x;
+        return;
+    }
+    const int *sp = (const int *)(s->scale + tok0 * groups), *zp = (const int *)(s->zero + tok0 * groups);
+    const __m512i rows = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(P));
+    __m512i s4[4], z4[4];
+    unsigned n = (unsigned)(nt * P);
+    for (int r = 0; P <= 4 && r < 4; r++) { /* no load past row nt: a masked-off load */
+        unsigned left = n > 16u * r ? n - 16u * r : 0; /* still waits on its line */
+        __mmask16 m = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+        s4[r] = left ? _mm512_maskz_loadu_epi32(m, sp + 16 * r) : _mm512_setzero_si512();
+        z4[r] = left ? _mm512_maskz_loadu_epi32(m, zp + 16 * r) : _mm512_setzero_si512();
+    }
+    for (int h = 0; h < H; h++)
+        for (int g = 0; g < groups; g += 2) {
+            __m512i idx = _mm512_add_epi32(rows, _mm512_set1_epi32((h * groups + g) / 2)), x[2];
+            for (int side = 0; side < 2; side++) {
+                const __m512i *v = side ? z4 : s4;
                 if (P <= 4)
-                    x = _mm512_mask_blend_epi32(_mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32(32)),
-                                                _mm512_permutex2var_epi32(part[0], idx, part[1]),
-                                                _mm512_permutex2var_epi32(part[2], idx, part[3]));
+                    x[side] = _mm512_mask_blend_epi32(_mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32(32)),
+                                                      _mm512_permutex2var_epi32(v[0], idx, v[1]),
+                                                      _mm512_permutex2var_epi32(v[2], idx, v[3]));
                 else
-                    x = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), keep, idx, src, 4);
-                _mm512_store_ps(dst + g * TILE, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x)));
-                _mm512_store_ps(dst + (g + 1) * TILE,
-                                _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(x, 16))));
+                    x[side] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), keep, idx,
+                                                          side ? zp : sp, 4);
+            }
+            for (int half = 0; half < 2; half++) { /* group g in the low 16 bits, g + 1 high */
+                __m512 sc = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(x[0], 16 * half)));
+                __m512 z = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(x[1], 16 * half)));
+                int at = (h * groups + g + half) * TILE;
+                _mm512_store_ps(gsc + at, _mm512_mul_ps(sc, sixteenth));
+                _mm512_store_ps(gz + at, _mm512_fmadd_ps(sc, eight, z));
             }
         }
-    }
-    for (int g = 0; g < groups; g++) {
-        __m512 sc = _mm512_load_ps(gsc + g * TILE);
-        _mm512_store_ps(gz + g * TILE, _mm512_fmadd_ps(sc, _mm512_set1_ps(8.0f), _mm512_load_ps(gz + g * TILE)));
-        _mm512_store_ps(gsc + g * TILE, _mm512_mul_ps(sc, _mm512_set1_ps(0.0625f)));
-    }
 }
 
 /* The per-token scales of nt 8-bit rows (row r's at tok0 + r * H, tok0 a row of head h) as a
@@ -224,6 +230,26 @@ token_scales16(const _Float16 *scale, size_t tok0, int h, int nt, int H, float *
     _mm512_store_ps(rsc, _mm512_maskz_mov_ps(keep, _mm512_cvtph_ps(_mm512_castsi512_si256(x))));
 }
 
+/* nt bf16 rows of the staged own block (row r at base + r * stride elements) into tile rows
+ * in load_raw's order. A 32-bit lane holds channels 2i (low half) and 2i + 1 (high half):
+ * for an int4 side (evens, then odds) a shift gives the even channels, a mask the odd ones. */
+static inline __attribute__((always_inline)) void
+rows16_staged_bf16(const uint16_t *base, size_t stride, int nt, const int D, int u4, float *tile) {
+    const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
+    for (int t = 0; t < nt; t++)
+        for (int i = 0; i < D / 2; i += 16) {
+            __m512i x = _mm512_loadu_si512(base + t * stride + 2 * i);
+            if (u4) {
+                _mm512_store_ps(tile + t * D + i, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
+                _mm512_store_ps(tile + t * D + D / 2 + i, _mm512_castsi512_ps(_mm512_and_si512(x, top)));
+            } else {
+                for (int k = 0; k < 2; k++)
+                    _mm512_store_ps(tile + t * D + 2 * i + 16 * k, _mm512_castsi512_ps(_mm512_slli_epi32(
+                        _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(x, k)), 16)));
+            }
+        }
+}
+
 /* Rows t0 .. t0 + nt of head h of block j (the staged own block when j == own) into
  * tile[TILE][D] in load_raw's order, rows past nt zero; each row's remaining scale in rsc
  * (per-token 8-bit scales; 1 otherwise). Pool rows of every format are converted in vectors
@@ -232,15 +258,17 @@ token_scales16(const _Float16 *scale, size_t tok0, int h, int nt, int H, float *
 static inline __attribute__((always_inline)) void
 load_tile(const kv_side *s, const int64_t *table, int j, int own, const void *own_data,
           int own_kind, int64_t slot, int t0, int nt, int h, int H, int bs, const int D,
-          int folded, const float *bsc, const float *bz, float *tile, float *rsc, float *gsc,
-          float *gz) {
+          int folded, const float *bsc, const float *bz, float *tile, float *rsc, int centered) {
     int u4 = s->kind == KIND_U4, gs = u4 ? D / 2 / s->groups : 16;
     size_t tok0 = j == own ? 0 : ((size_t)table[j] * bs + t0) * H + h;
     size_t row_bytes = (size_t)s->width * elem_size(s->kind);
     const char *base = (const char *)s->data + tok0 * row_bytes;
     int token_scale = s->scale_mode == SCALE_TOKEN;
     _mm512_store_ps(rsc, _mm512_maskz_mov_ps((__mmask16)((1u << nt) - 1), _mm512_set1_ps(1.0f)));
-    if (j == own || (s->scale_mode == SCALE_BLOCK && !folded) || (u4 && (D % 32 || gs % 16))) {
+    if (j == own && own_kind == KIND_BF16 && D % 32 == 0) {
+        const uint16_t *rows = (const uint16_t *)own_data + (((size_t)slot * bs + t0) * H + h) * D;
+        rows16_staged_bf16(rows, (size_t)H * D, nt, D, u4, tile);
+    } else if (j == own || (s->scale_mode == SCALE_BLOCK && !folded) || (u4 && (D % 32 || gs % 16))) {
         for (int t = 0; t < nt; t++) {
             if (j == own) load_staged(s, own_data, own_kind, slot, t0 + t, h, H, bs, D, tile + t * D);
             else rsc[t] = load_row(s, table[j], t0 + t, h, H, bs, D, folded, bsc, bz, tile + t * D);
@@ -248,9 +276,8 @@ load_tile(const kv_side *s, const int64_t *table, int j, int own, const void *ow
     } else if (u4) {
         const uint8_t *rows = (const uint8_t *)base;
         size_t sst = (size_t)H * s->groups;
-        if (token_scale && gsc) { /* scales left to the caller in gsc/gz; literal modes */
+        if (token_scale && centered) { /* scales left to the caller (group_scales) */
             rows16_u4(rows, H * row_bytes, nt, D, NULL, NULL, 0, gs, 1, tile);
-            group_scales16(s, tok0, h, nt, H, gsc, gz);
         } else if (token_scale) {
             rows16_u4(rows, H * row_bytes, nt, D, s->scale + tok0 * s->groups,
                       s->zero + tok0 * s->groups, sst, gs, 0, tile);
@@ -317,8 +344,9 @@ tile_values(const float *p, int64_t stride, int G, const int D, const float *til
  * 16-token vector of p * zero that the caller adds to the group's channels once at the end. */
 static inline __attribute__((always_inline)) void
 tile_values_grouped(const float *p, int64_t stride, int G, const int D, const float *tile,
-                    const float *gsc, const float *gz, int groups, int gs, int nt, float *acc,
+                    const float *gsc, const float *gz, const int groups, int nt, float *acc,
                     float *zacc) {
+    const int gs = D / 2 / groups; /* a literal where groups is: no division per head */
     __mmask16 keep = (__mmask16)((1u << nt) - 1);
     for (int g = 0; g < G; g++) {
         float w[MAX_D / 32][TILE] __attribute__((aligned(64)));
@@ -353,7 +381,7 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
     int v_gs = v->kind == KIND_U4 ? D / 2 / v->groups : 0; /* int4 values: group scales folded */
     int grouped = v_gs && v->scale_mode == SCALE_TOKEN && D % 32 == 0 && v_gs % 16 == 0;
     int ng = grouped ? v->groups : 1;
-    float gsc[ng * TILE] __attribute__((aligned(64))), gz[ng * TILE] __attribute__((aligned(64)));
+    float gsc[H * ng * TILE] __attribute__((aligned(64))), gz[H * ng * TILE] __attribute__((aligned(64)));
     float zacc[H * G * ng * TILE];
     int64_t base = (int64_t)j0 * bs, n = (L < (int64_t)j1 * bs ? L : (int64_t)j1 * bs) - base;
     pf_span kspan[H], vspan[H];
@@ -390,7 +418,7 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
             for (int t0 = 0; t0 < nj; t0 += TILE) {
                 int nt = nj - t0 < TILE ? nj - t0 : TILE;
                 load_tile(k, table, j, own, own_k, own_kind, slot, t0, nt, h, H, bs, D, fold,
-                          bsc, bz, tile, rsc, NULL, NULL);
+                          bsc, bz, tile, rsc, 0);
                 tile_scores(qk, zeroed ? qz : NULL, G, D, tile, rsc, nt,
                             scores + h * G * n + (int64_t)j * bs - base + t0, n);
             }
@@ -400,20 +428,23 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
     memset(acc, 0, sizeof(float) * H * G * D);
     memset(zacc, 0, sizeof(zacc));
     for (int j = j0; j < j1; j++) { /* P.V */
-        int nj = (int)(L - (int64_t)j * bs < bs ? L - (int64_t)j * bs : bs);
-        for (int h = 0; h < H; h++) {
-            if (j + PREFETCH < j1 && j + PREFETCH != own)
-                prefetch_block(v, table[j + PREFETCH], vspan + h);
-            if (j != own) block_scale(v, table[j], h, H, D, bsc, bz, 1);
-            for (int t0 = 0; t0 < nj; t0 += TILE) {
-                int nt = nj - t0 < TILE ? nj - t0 : TILE;
+        int nj = (int)(L - (int64_t)j * bs < bs ? L - (int64_t)j * bs : bs), split = grouped && j != own;
+        for (int t0 = 0; t0 < nj; t0 += TILE) {
+            int nt = nj - t0 < TILE ? nj - t0 : TILE;
+            if (split) group_scales(v, ((size_t)table[j] * bs + t0) * H, nt, H, gsc, gz);
+            for (int h = 0; h < H; h++) { /* prefetches spread between the heads' tiles */
+                if (t0 == 0 && j + PREFETCH < j1 && j + PREFETCH != own)
+                    prefetch_block(v, table[j + PREFETCH], vspan + h);
                 const float *p = scores + h * G * n + (int64_t)j * bs - base + t0;
-                int split = grouped && j != own;
+                if (j != own) block_scale(v, table[j], h, H, D, bsc, bz, 1);
                 load_tile(v, table, j, own, own_v, own_kind, slot, t0, nt, h, H, bs, D, 0, bsc,
-                          bz, tile, rsc, split ? gsc : NULL, gz);
-                if (split)
-                    tile_values_grouped(p, n, G, D, tile, gsc, gz, ng, v_gs, nt, acc + h * G * D,
-                                        zacc + h * G * ng * TILE);
+                          bz, tile, rsc, split);
+                const float *hs = gsc + h * ng * TILE, *hz = gz + h * ng * TILE;
+                float *za = zacc + h * G * ng * TILE;
+                if (split && ng == 2) /* a literal group count: no division per head */
+                    tile_values_grouped(p, n, G, D, tile, hs, hz, 2, nt, acc + h * G * D, za);
+                else if (split)
+                    tile_values_grouped(p, n, G, D, tile, hs, hz, ng, nt, acc + h * G * D, za);
                 else
                     tile_values(p, n, G, D, tile, rsc, nt, acc + h * G * D);
             }
@@ -430,7 +461,10 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
     if (v->kind == KIND_U4) /* acc back to channel order */
         for (int i = 0; i < H * G; i++) {
             float natural[D];
-            for (int d = 0; d < D; d++) natural[d] = acc[i * D + permuted(d, 1, D)];
+            for (int d = 0; d < D / 2; d++) { /* see permuted() */
+                natural[2 * d] = acc[i * D + d];
+                natural[2 * d + 1] = acc[i * D + D / 2 + d];
+            }
             memcpy(acc + i * D, natural, sizeof(float) * D);
         }
 }
