@@ -19,13 +19,15 @@ from slimkv.kv.staging import Staging
 LAYERS, HEADS, KV_HEADS, DIM, BS = 30, 9, 3, 64, 16
 
 
-def setup(kv: str, batch: int, context: int, layers: int, tables_kind: str = "random"):
+def setup(kv: str, batch: int, context: int, layers: int, tables_kind: str = "random",
+          v_kv: str | None = None):
     """tables_kind: "random" (blocks anywhere in the pool) or "runs" (each sequence's blocks
-    in order, as an engine that prefilled them one after another lays them out)."""
+    in order, as an engine that prefilled them one after another lays them out). v_kv: the
+    values' format when not kv's."""
     per_seq = -(-(context + 1) // BS)
     num_blocks = batch * per_seq + 1
     cache = PagedKVCache(num_layers=layers, num_blocks=num_blocks, block_size=BS,
-                         num_kv_heads=KV_HEADS, head_dim=DIM, k_dtype=kv, v_dtype=kv,
+                         num_kv_heads=KV_HEADS, head_dim=DIM, k_dtype=kv, v_dtype=v_kv or kv,
                          k_scale="per_channel_block", device=torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     outlier = 1 + 4 * (torch.rand(KV_HEADS, DIM, generator=gen) > 0.9)

@@ -230,23 +230,17 @@ token_scales16(const _Float16 *scale, size_t tok0, int h, int nt, int H, float *
     _mm512_store_ps(rsc, _mm512_maskz_mov_ps(keep, _mm512_cvtph_ps(_mm512_castsi512_si256(x))));
 }
 
-/* nt bf16 rows of the staged own block (row r at base + r * stride elements) into tile rows
- * in load_raw's order. A 32-bit lane holds channels 2i (low half) and 2i + 1 (high half):
- * for an int4 side (evens, then odds) a shift gives the even channels, a mask the odd ones. */
+/* nt bf16 rows of an int4 side's staged own block (row r at base + r * stride elements)
+ * into tile rows in load_raw's order (even channels, then odd ones): a 32-bit lane holds
+ * channels 2i (low half) and 2i + 1 (high half), so a shift gives the evens, a mask the odds. */
 static inline __attribute__((always_inline)) void
-rows16_staged_bf16(const uint16_t *base, size_t stride, int nt, const int D, int u4, float *tile) {
+rows16_staged_u4(const uint16_t *base, size_t stride, int nt, const int D, float *tile) {
     const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
     for (int t = 0; t < nt; t++)
         for (int i = 0; i < D / 2; i += 16) {
             __m512i x = _mm512_loadu_si512(base + t * stride + 2 * i);
-            if (u4) {
-                _mm512_store_ps(tile + t * D + i, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
-                _mm512_store_ps(tile + t * D + D / 2 + i, _mm512_castsi512_ps(_mm512_and_si512(x, top)));
-            } else {
-                for (int k = 0; k < 2; k++)
-                    _mm512_store_ps(tile + t * D + 2 * i + 16 * k, _mm512_castsi512_ps(_mm512_slli_epi32(
-                        _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(x, k)), 16)));
-            }
+            _mm512_store_ps(tile + t * D + i, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
+            _mm512_store_ps(tile + t * D + D / 2 + i, _mm512_castsi512_ps(_mm512_and_si512(x, top)));
         }
 }
 
@@ -265,9 +259,10 @@ load_tile(const kv_side *s, const int64_t *table, int j, int own, const void *ow
     const char *base = (const char *)s->data + tok0 * row_bytes;
     int token_scale = s->scale_mode == SCALE_TOKEN;
     _mm512_store_ps(rsc, _mm512_maskz_mov_ps((__mmask16)((1u << nt) - 1), _mm512_set1_ps(1.0f)));
-    if (j == own && own_kind == KIND_BF16 && D % 32 == 0) {
+    if (j == own && own_kind == KIND_BF16 && (!u4 || D % 32 == 0)) { /* a bf16 model's */
         const uint16_t *rows = (const uint16_t *)own_data + (((size_t)slot * bs + t0) * H + h) * D;
-        rows16_staged_bf16(rows, (size_t)H * D, nt, D, u4, tile);
+        if (u4) rows16_staged_u4(rows, (size_t)H * D, nt, D, tile);
+        else rows16((const char *)rows, (size_t)H * D * 2, nt, KIND_BF16, D, tile);
     } else if (j == own || (s->scale_mode == SCALE_BLOCK && !folded) || (u4 && (D % 32 || gs % 16))) {
         for (int t = 0; t < nt; t++) {
             if (j == own) load_staged(s, own_data, own_kind, slot, t0 + t, h, H, bs, D, tile + t * D);
