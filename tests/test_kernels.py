@@ -126,9 +126,10 @@ def test_fused_decode_splits_a_long_sequence(k_dtype: str, v_dtype: str, k_scale
 
 
 @pytest.mark.usefixtures("fused_kernel")
-@pytest.mark.parametrize("heads", [(8, 2), (6, 6), (16, 2)])  # G = 4, 1, 8
+@pytest.mark.parametrize("heads", [(8, 2), (6, 6), (16, 2), (4, 2)])  # G = 4, 1, 8, 2
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("k_dtype, v_dtype, k_scale", [FORMATS[1], FORMATS[4], FORMATS[8]])
+@pytest.mark.parametrize("k_dtype, v_dtype, k_scale",
+                         [FORMATS[1], FORMATS[3], FORMATS[4], FORMATS[8], FORMATS[9]])
 def test_fused_decode_query_groups_over_ragged_blocks(k_dtype: str, v_dtype: str, k_scale: str,
                                                       head_dim: int,
                                                       heads: tuple[int, int]) -> None:

@@ -103,49 +103,61 @@ static inline __attribute__((always_inline)) __m512 load16(const void *p, const 
     }
 }
 
+/* One row (at `row`) of `kind` into v[D / 16] registers in load_raw's order, scales not
+ * applied; int4 `centered` rows hold 16 * (x - 8) instead of x, exactly and in as many
+ * operations: the nibble is or-ed into the mantissa of a float whose last place is 16 (low
+ * nibble, 2^27) or that holds it 16 times already (high nibble, 2^23), then 2^e + 128
+ * subtracted (group_scales gives such rows their scale / 16 and zero + 8 * scale). */
+static inline __attribute__((always_inline)) void
+decode_row(const char *row, const int kind, const int D, const int centered, __m512 *v) {
+    if (kind != KIND_U4) {
+        for (int d = 0; d < D / 16; d++) v[d] = load16(row + d * 16 * elem_size(kind), kind);
+        return;
+    }
+    const __m512i low = _mm512_set1_epi32(15), high = _mm512_set1_epi32(0xf0);
+    for (int i = 0; i < D / 32; i++) { /* 16 bytes widened to 32-bit lanes from memory */
+        __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + 16 * i)));
+        if (centered) { /* (x & mask) | exponent: ternary-logic 0xea */
+            v[i] = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_ternarylogic_epi32(
+                                     x, low, _mm512_set1_epi32(0x4d000000), 0xea)),
+                                 _mm512_set1_ps(134217856.0f));
+            v[D / 32 + i] = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_ternarylogic_epi32(
+                                              x, high, _mm512_set1_epi32(0x4b000000), 0xea)),
+                                          _mm512_set1_ps(8388736.0f));
+        } else {
+            v[i] = _mm512_cvtepi32_ps(_mm512_and_si512(x, low));
+            v[D / 32 + i] = _mm512_cvtepi32_ps(_mm512_srli_epi32(x, 4));
+        }
+    }
+}
+
 /* nt rows of `kind` (row r at base + r * stride bytes) into tile rows, in vectors. */
 static inline __attribute__((always_inline)) void
 rows16(const char *base, size_t stride, int nt, const int kind, const int D, float *tile) {
-    size_t size = elem_size(kind);
-    for (int t = 0; t < nt; t++)
-        for (int d = 0; d < D; d += 16)
-            _mm512_store_ps(tile + t * D + d, load16(base + t * stride + d * size, kind));
+    for (int t = 0; t < nt; t++) {
+        __m512 v[MAX_D / 16];
+        decode_row(base + t * stride, kind, D, 0, v);
+        for (int d = 0; d < D / 16; d++) _mm512_store_ps(tile + t * D + 16 * d, v[d]);
+    }
 }
 
-/* nt int4 rows (row r at base + r * stride) into tile rows in load_raw's order (low nibbles,
- * then high ones), per-token group scales applied when `scale` is given (gs: elements per
- * group within each half; a multiple of 16). Each 16 bytes are widened to 32-bit lanes
- * straight from memory. `centered` rows hold 16 * (x - 8) instead of x, exactly and in as
- * many operations: the nibble is or-ed into the mantissa of a float whose last place is 16
- * (low nibble, 2^27) or that holds it 16 times already (high nibble, 2^23), then 2^e + 128
- * subtracted (group_scales gives such rows their scale / 16 and zero + 8 * scale). */
+/* nt int4 rows (row r at base + r * stride) into tile rows (see decode_row), per-token group
+ * scales applied when `scale` is given (gs: elements per group within each half; a multiple
+ * of 16). */
 static inline __attribute__((always_inline)) void
 rows16_u4(const uint8_t *base, size_t stride, int nt, const int D, const _Float16 *scale,
           const _Float16 *zero, size_t scale_stride, int gs, const int centered, float *tile) {
-    const __m512i low = _mm512_set1_epi32(15), high = _mm512_set1_epi32(0xf0);
-    const __m512i e27 = _mm512_set1_epi32(0x4d000000), e23 = _mm512_set1_epi32(0x4b000000);
-    for (int t = 0; t < nt; t++)
-        for (int i = 0; i < D / 2; i += 16) {
-            __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(base + t * stride + i)));
-            __m512 lo, hi;
-            if (centered) { /* (x & mask) | exponent: ternary-logic 0xea */
-                lo = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_ternarylogic_epi32(x, low, e27, 0xea)),
-                                   _mm512_set1_ps(134217856.0f));
-                hi = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_ternarylogic_epi32(x, high, e23, 0xea)),
-                                   _mm512_set1_ps(8388736.0f));
-            } else {
-                lo = _mm512_cvtepi32_ps(_mm512_and_si512(x, low));
-                hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(x, 4));
-            }
-            if (scale) {
-                size_t g = t * scale_stride + i / gs;
-                __m512 sc = _mm512_set1_ps((float)scale[g]), z = _mm512_set1_ps((float)zero[g]);
-                lo = _mm512_fmadd_ps(lo, sc, z);
-                hi = _mm512_fmadd_ps(hi, sc, z);
-            }
-            _mm512_store_ps(tile + t * D + i, lo);
-            _mm512_store_ps(tile + t * D + D / 2 + i, hi);
+    for (int t = 0; t < nt; t++) {
+        __m512 v[MAX_D / 16];
+        decode_row((const char *)base + t * stride, KIND_U4, D, centered, v);
+        for (int i = 0; scale && i < D / 32; i++) {
+            size_t g = t * scale_stride + 16 * i / gs;
+            __m512 sc = _mm512_set1_ps((float)scale[g]), z = _mm512_set1_ps((float)zero[g]);
+            v[i] = _mm512_fmadd_ps(v[i], sc, z);
+            v[D / 32 + i] = _mm512_fmadd_ps(v[D / 32 + i], sc, z);
         }
+        for (int d = 0; d < D / 16; d++) _mm512_store_ps(tile + t * D + 16 * d, v[d]);
+    }
 }
 
 /* The per-token group scales and zeros of nt int4 rows of every head (row r of head h at
@@ -362,6 +374,143 @@ tile_values_grouped(const float *p, int64_t stride, int G, const int D, const fl
     }
 }
 
+/* ---- pool rows straight into registers (no float tile) -------------------------------
+ * For a literal G with every accumulator in a register (G * D <= 256), a block's int8 or
+ * int4 rows are decoded once per row into registers and used by all G query heads there: no
+ * tile written and read back (the tile's stores and loads cost more than its decode). */
+
+/* Whether G query heads of dim D take the direct passes: only where D is a literal (the
+ * accumulators need it to stay in registers; other head dims keep the tiles). */
+#define direct_heads(G, D) \
+    (__builtin_constant_p(D) && (D) % 32 == 0 && (G) >= 1 && (G) <= 4 && (G) * (D) <= 256)
+
+/* rsc for nt rows: an 8-bit side's per-token scales, else ones. */
+static inline __attribute__((always_inline)) void
+row_scales(const kv_side *s, size_t tok0, int h, int nt, int H, float *rsc) {
+    if (s->scale_mode == SCALE_TOKEN && s->kind != KIND_U4)
+        token_scales16(s->scale, tok0, h, nt, H, rsc);
+    else
+        _mm512_store_ps(rsc, _mm512_maskz_mov_ps((__mmask16)((1u << nt) - 1), _mm512_set1_ps(1.0f)));
+}
+
+/* tile_scores on nt pool rows (row r at base + r * row_stride bytes): q (and the block's
+ * channel scales bsc, zeros bz where given: q.(raw * s + z) = (q * s).raw + q.z, q.z in 16
+ * lanes) held in registers, each row dotted with all G heads, the G partial vectors per row
+ * kept for the transpose-reduce; rsc: per-row scales. */
+static inline __attribute__((always_inline)) void
+tile_scores_direct(const float *qk, const float *bsc, const float *bz, const int G, const int D,
+                   const char *base, size_t row_stride, const int kind, const float *rsc, int nt,
+                   float *scores, int64_t stride) {
+    __mmask16 keep = (__mmask16)((1u << nt) - 1);
+    __m512 part[G][TILE], qv[G][MAX_D / 16], z[G];
+    for (int g = 0; g < G; g++) {
+        z[g] = _mm512_setzero_ps();
+        for (int d = 0; d < D / 16; d++) {
+            __m512 x = _mm512_loadu_ps(qk + g * D + 16 * d);
+            if (bz) z[g] = _mm512_fmadd_ps(x, _mm512_loadu_ps(bz + 16 * d), z[g]);
+            qv[g][d] = bsc ? _mm512_mul_ps(x, _mm512_loadu_ps(bsc + 16 * d)) : x;
+        }
+    }
+    for (int t = 0; t < TILE; t++) {
+        __m512 v[MAX_D / 16];
+        if (t < nt) decode_row(base + t * row_stride, kind, D, 0, v);
+        for (int g = 0; g < G; g++) {
+            __m512 a = _mm512_setzero_ps();
+            if (t < nt) { /* rows past nt: zero sums, masked off below */
+                a = _mm512_fmadd_ps(qv[g][0], v[0], z[g]);
+                for (int d = 1; d < D / 16; d++) a = _mm512_fmadd_ps(qv[g][d], v[d], a);
+            }
+            part[g][t] = a;
+        }
+    }
+    __m512 tsc = _mm512_load_ps(rsc);
+    for (int g = 0; g < G; g++)
+        _mm512_mask_storeu_ps(scores + g * stride, keep, _mm512_mul_ps(reduce16(part[g]), tsc));
+}
+
+/* tile_values (groups 1, per-row scales rsc in the weights) or tile_values_grouped
+ * (centered int4 rows, `groups` groups of 16 channels per half) on nt pool rows: all G heads'
+ * accumulators in registers, each row decoded once, the weights broadcast from memory. */
+static inline __attribute__((always_inline)) void
+tile_values_direct(const float *p, int64_t stride, const int G, const int D, const char *base,
+                   size_t row_stride, const int kind, const float *rsc, const float *gsc,
+                   const float *gz, const int groups, int nt, float *acc, float *zacc) {
+    __mmask16 keep = (__mmask16)((1u << nt) - 1);
+    float w[G][groups][TILE] __attribute__((aligned(64)));
+    for (int g = 0; g < G; g++) {
+        __m512 pv = _mm512_maskz_loadu_ps(keep, p + g * stride);
+        if (groups == 1) _mm512_store_ps(w[g][0], _mm512_mul_ps(pv, _mm512_load_ps(rsc)));
+        for (int c = 0; groups > 1 && c < groups; c++) {
+            float *z = zacc + (g * groups + c) * TILE;
+            _mm512_store_ps(w[g][c], _mm512_mul_ps(pv, _mm512_load_ps(gsc + c * TILE)));
+            _mm512_storeu_ps(z, _mm512_fmadd_ps(pv, _mm512_load_ps(gz + c * TILE), _mm512_loadu_ps(z)));
+        }
+    }
+    __m512 o[G][MAX_D / 16];
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < D / 16; d++) o[g][d] = _mm512_loadu_ps(acc + g * D + 16 * d);
+    for (int t = 0; t < nt; t++) {
+        __m512 v[MAX_D / 16];
+        decode_row(base + t * row_stride, kind, D, groups > 1, v);
+        for (int g = 0; g < G; g++)
+            for (int d = 0; d < D / 16; d++) /* vector d's group: d % groups (see rows16_u4) */
+                o[g][d] = _mm512_fmadd_ps(_mm512_set1_ps(w[g][d % groups][t]), v[d], o[g][d]);
+    }
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < D / 16; d++) _mm512_storeu_ps(acc + g * D + 16 * d, o[g][d]);
+}
+
+/* CALL(g) for G = g, a literal; only the g that direct_heads allows with this D are built. */
+#define LITERAL_G(G, CALL)                                  \
+    switch (G) {                                            \
+    case 1: CALL(1); break;                                 \
+    case 2: if (2 * D <= 256) CALL(2); break;               \
+    case 3: if (3 * D <= 256) CALL(3); break;               \
+    default: if (4 * D <= 256) CALL(4); break;              \
+    }
+
+/* The direct Q.K of nt rows of head h from tok0 (a row of the pool), literal G and kind. */
+static inline __attribute__((always_inline)) void
+scores_from_pool(const kv_side *k, const float *qk, const float *bsc, const float *bz, int G,
+                 const int D, size_t tok0, int h, int nt, int H, float *rsc, float *out,
+                 int64_t stride) {
+    size_t row = (size_t)k->width * elem_size(k->kind);
+    const char *rows = (const char *)k->data + tok0 * row;
+    row_scales(k, tok0, h, nt, H, rsc);
+#define SCORES(g) tile_scores_direct(qk, bsc, bz, g, D, rows, H * row, KIND, rsc, nt, out, stride)
+    if (k->kind == KIND_U4) {
+        enum { KIND = KIND_U4 };
+        LITERAL_G(G, SCORES)
+    } else {
+        enum { KIND = KIND_I8 };
+        LITERAL_G(G, SCORES)
+    }
+#undef SCORES
+}
+
+/* The direct P.V of nt rows of head h from tok0; int4 rows with their group scales split
+ * off (gsc, gz: group_scales' vectors of this head). */
+static inline __attribute__((always_inline)) void
+values_from_pool(const kv_side *v, const float *p, int64_t stride, int G, const int D,
+                 size_t tok0, int h, int nt, int H, float *rsc, const float *gsc,
+                 const float *gz, float *acc, float *zacc) {
+    size_t row = (size_t)v->width * elem_size(v->kind);
+    const char *rows = (const char *)v->data + tok0 * row;
+#define VALUES(g) \
+    tile_values_direct(p, stride, g, D, rows, H * row, KIND, rsc, gsc, gz, GROUPS, nt, acc, zacc)
+    if (v->kind == KIND_U4) {
+        enum { KIND = KIND_U4 };
+        const int GROUPS = D / 32;
+        LITERAL_G(G, VALUES)
+    } else {
+        enum { KIND = KIND_I8, GROUPS = 1 };
+        row_scales(v, tok0, h, nt, H, rsc);
+        LITERAL_G(G, VALUES)
+    }
+#undef VALUES
+}
+#undef LITERAL_G
+
 /* The Hq = H * G query heads q[Hq * D] of one sequence over its blocks [j0, j1) (positions
  * below L): per query head the max m, the sum of exp(score - m) and acc[D] = the sum of
  * exp(score - m) * v, not yet normalised. scores: [Hq, (j1 - j0) * bs] scratch. */
@@ -375,7 +524,10 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
     int k_u4 = k->kind == KIND_U4, fold = k->scale_mode == SCALE_BLOCK;
     int v_gs = v->kind == KIND_U4 ? D / 2 / v->groups : 0; /* int4 values: group scales folded */
     int grouped = v_gs && v->scale_mode == SCALE_TOKEN && D % 32 == 0 && v_gs % 16 == 0;
-    int ng = grouped ? v->groups : 1;
+    int ng = grouped ? v->groups : 1, direct = direct_heads(G, D);
+    int direct_k = direct && ((k_u4 && fold) || (k->kind == KIND_I8 && !k->zero));
+    int direct_v = direct && ((grouped && ng == D / 32) ||
+                              (v->kind == KIND_I8 && v->scale_mode != SCALE_BLOCK));
     float gsc[H * ng * TILE] __attribute__((aligned(64))), gz[H * ng * TILE] __attribute__((aligned(64)));
     float zacc[H * G * ng * TILE];
     int64_t base = (int64_t)j0 * bs, n = (L < (int64_t)j1 * bs ? L : (int64_t)j1 * bs) - base;
@@ -393,6 +545,15 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
                 prefetch_block(v, table[jv], vspan + h);
             const float *qk = qp + h * G * D;
             int zeroed = j != own && fold && k->zero;
+            if (j != own && direct_k) {
+                if (fold) block_scale(k, table[j], h, H, D, bsc, bz, zeroed);
+                for (int t0 = 0; t0 < nj; t0 += TILE)
+                    scores_from_pool(k, qk, fold ? bsc : NULL, zeroed ? bz : NULL, G, D,
+                                     ((size_t)table[j] * bs + t0) * H + h, h,
+                                     nj - t0 < TILE ? nj - t0 : TILE, H, rsc,
+                                     scores + h * G * n + (int64_t)j * bs - base + t0, n);
+                continue;
+            }
             if (j != own && fold) { /* q.(raw * s + z) = (q * s).raw + q.z */
                 block_scale(k, table[j], h, H, D, bsc, bz, 0);
                 for (int g = 0; g < G; g++)
@@ -431,6 +592,12 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
                 if (t0 == 0 && j + PREFETCH < j1 && j + PREFETCH != own)
                     prefetch_block(v, table[j + PREFETCH], vspan + h);
                 const float *p = scores + h * G * n + (int64_t)j * bs - base + t0;
+                if (j != own && direct_v) {
+                    values_from_pool(v, p, n, G, D, ((size_t)table[j] * bs + t0) * H + h, h, nt,
+                                     H, rsc, gsc + h * ng * TILE, gz + h * ng * TILE,
+                                     acc + h * G * D, zacc + h * G * ng * TILE);
+                    continue;
+                }
                 if (j != own) block_scale(v, table[j], h, H, D, bsc, bz, 1);
                 load_tile(v, table, j, own, own_v, own_kind, slot, t0, nt, h, H, bs, D, 0, bsc,
                           bz, tile, rsc, split);
