@@ -8,6 +8,8 @@
  * P.V accumulates D/16 vectors per head in registers with the row scale folded into p. A
  * sequence's blocks lie anywhere in the pool, so the next blocks are prefetched in software
  * (prefetch_block, in paged_decode.c: shared with the AVX2 path of paged_decode_avx2.h).
+ * int8 and int4 pool rows skip the tile where G is a literal small enough for every
+ * accumulator to stay in a register (the direct passes, below tile_values_grouped).
  */
 enum { TILE = 16, MAX_D = 256, PREFETCH = 2 }; /* head dims: multiples of 16 up to MAX_D */
 
