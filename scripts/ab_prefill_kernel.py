@@ -7,7 +7,7 @@ per run, best and median.
 import statistics
 import sys
 
-from slimkv import prefill
+from slimkv.attention import prefill
 from slimkv.bench.compare import batched, engine_for
 from slimkv.config import Config
 

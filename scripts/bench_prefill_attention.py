@@ -10,8 +10,8 @@ import time
 
 import torch
 
-from slimkv import prefill
-from slimkv.attention import AttentionMetadata, PagedAttention
+from slimkv.attention import prefill
+from slimkv.attention.paged import AttentionMetadata, PagedAttention
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
 

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_qgemm_step import LAYERS, SHAPES, best_ms, random_weight  # noqa: E402
 
 from slimkv.kernels.qgemm import pack, qgemm_kernel  # noqa: E402
-from slimkv.runner import resolve_dtype  # noqa: E402
+from slimkv.engine.runner import resolve_dtype  # noqa: E402
 
 
 def main(rows: list[int], dtype: torch.dtype) -> None:

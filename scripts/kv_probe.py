@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from slimkv.config import Config
-from slimkv.engine import LLMEngine
+from slimkv.engine.llm_engine import LLMEngine
 from slimkv.eval import corpus
 from slimkv.eval.perplexity import TokenStats, next_token_logprobs
 from slimkv.kv.cache import side_codec

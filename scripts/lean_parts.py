@@ -11,20 +11,20 @@ import argparse
 import time
 from collections import defaultdict
 
-from slimkv.attention import PagedAttention
+from slimkv.attention.paged import PagedAttention
 from slimkv.bench.compare import decode_rate, engine_for, prefill_rate
 from slimkv.config import Config
-from slimkv.engine import LLMEngine
+from slimkv.engine.llm_engine import LLMEngine
 from slimkv.kernels import DecodeKernel
 from slimkv.kernels.qgemm import QGemm
 from slimkv.kernels.step import LeanStep
 from slimkv.kernels.stage import StageKernel
 from slimkv.model.llama import RMSNorm, Transformer
 from slimkv.model.quant import QuantEmbedding, QuantLinear
-from slimkv.outputs import Detokenizer
-from slimkv.runner import ModelRunner
-from slimkv.sampling import Sampler
-from slimkv.scheduler import Scheduler
+from slimkv.engine.outputs import Detokenizer
+from slimkv.engine.runner import ModelRunner
+from slimkv.engine.sampling import Sampler
+from slimkv.engine.scheduler import Scheduler
 
 PARTS = {"step (engine.step)": (LLMEngine, "step"), "runner.execute": (ModelRunner, "execute"),
          "prepare (metadata)": (ModelRunner, "_prepare"), "model forward": (Transformer, "forward"),

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sdpa_variants import interleaved_ms  # noqa: E402
 
-from slimkv import prefill  # noqa: E402
+from slimkv.attention import prefill  # noqa: E402
 from slimkv.kernels.build import FLAGS  # noqa: E402
 from slimkv.kernels.prefill_attn import PrefillKernel  # noqa: E402
 from slimkv.kv.staging import StagedKV  # noqa: E402

@@ -13,20 +13,20 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
-from slimkv import prefill
-from slimkv.attention import PagedAttention
+from slimkv.attention import prefill
+from slimkv.attention.paged import PagedAttention
 from slimkv.bench.compare import batched, engine_for
 from slimkv.config import Config
-from slimkv.engine import LLMEngine
+from slimkv.engine.llm_engine import LLMEngine
 from slimkv.kernels.qgemm import QGemm
 from slimkv.kernels.step import LeanStep
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
 from slimkv.model.llama import Transformer
 from slimkv.model.quant import QuantLinear
-from slimkv.runner import ModelRunner
-from slimkv.sampling import Sampler
-from slimkv.scheduler import Scheduler
+from slimkv.engine.runner import ModelRunner
+from slimkv.engine.sampling import Sampler
+from slimkv.engine.scheduler import Scheduler
 
 PARTS = {"step": (LLMEngine, "step"), " scheduler": (Scheduler, "schedule"),
          " prepare": (ModelRunner, "_prepare"), " model forward": (Transformer, "forward"),

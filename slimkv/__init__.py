@@ -1,7 +1,7 @@
 """slimkv: an LLM serving engine with a paged, quantized KV cache."""
 
 from slimkv.config import Config
-from slimkv.sampling_params import SamplingParams
+from slimkv.engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "Config", "SamplingParams"]
 

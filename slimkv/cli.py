@@ -54,7 +54,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from slimkv.llm import LLM
-    from slimkv.sampling import SamplingParams
+    from slimkv.engine.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)

@@ -8,9 +8,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from slimkv.config import Config
-from slimkv.outputs import RequestOutput
+from slimkv.engine.outputs import RequestOutput
 from slimkv.plugins import build_engine
-from slimkv.sampling import SamplingParams
+from slimkv.engine.sampling import SamplingParams
 
 Prompt = str | list[int]
 Messages = list[dict[str, str]]

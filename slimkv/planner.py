@@ -2,7 +2,7 @@
 
 Every number comes from the engine's own code, so a plan is what the engine would do:
 weights are the bytes of the engine's ``Transformer`` built under ``FakeTensorMode``
-(nothing allocated), the activation reserve is :func:`slimkv.memory.activation_peak` of
+(nothing allocated), the activation reserve is :func:`slimkv.engine.memory.activation_peak` of
 the largest step, and the KV pool is ``PagedKVCache.num_blocks_for_budget`` of what is
 left: the arithmetic ``LLMEngine`` uses to size its pool.
 """
@@ -20,7 +20,7 @@ import torch
 from slimkv.config import DEFAULT_K_SCALE, ConfigError
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
-from slimkv.memory import activation_peak, weight_bytes
+from slimkv.engine.memory import activation_peak, weight_bytes
 from slimkv.model.llama import ModelArgs, Transformer
 from slimkv.stats import cdiv
 

@@ -10,7 +10,7 @@ never imports (``tests/test_size.py`` checks it). Build engines from a config he
 from __future__ import annotations
 
 from slimkv.config import Config
-from slimkv.engine import LLMEngine
+from slimkv.engine.llm_engine import LLMEngine
 from slimkv.kv.offload import offload_connector
 from slimkv.options import logits_processors
 

@@ -10,12 +10,12 @@ import torch
 
 from slimkv.cli import add_config_args, config_from_args, print_json
 from slimkv.kv.cache import PagedKVCache
-from slimkv.memory import LiveBytes
-from slimkv.sampling import SamplingParams
+from slimkv.engine.memory import LiveBytes
+from slimkv.engine.sampling import SamplingParams
 from slimkv.workload import random_prompt
 
 if TYPE_CHECKING:
-    from slimkv.engine import LLMEngine
+    from slimkv.engine.llm_engine import LLMEngine
 
 MiB = 2**20
 

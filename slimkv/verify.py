@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from slimkv.attention import AttentionMetadata, PagedAttention, reference_paged_attention
+from slimkv.attention.paged import AttentionMetadata, PagedAttention, reference_paged_attention
 from slimkv.config import Config
-from slimkv.engine import LLMEngine
+from slimkv.engine.llm_engine import LLMEngine
 from slimkv.kv.quant import make_codec
 from slimkv.plugins import build_engine
 from slimkv.stats import cdiv
@@ -50,7 +50,7 @@ class CheckedAttention:
 
 def verify_dtype(config: Config, kv_dtype: str, prompt_len: int = 40, new_tokens: int = 4) -> dict[str, Any]:
     """Serve two prompts through one engine for ``kv_dtype``; the per-layer report."""
-    from slimkv.sampling import SamplingParams
+    from slimkv.engine.sampling import SamplingParams
     from slimkv.workload import random_prompt, run_until_done
 
     blocks_per_prompt = cdiv(prompt_len + new_tokens, config.kv_cache.block_size)

@@ -17,7 +17,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from slimkv.config import Config
-from slimkv.engine_stats import EngineStats, LaneCounts
+from slimkv.engine.engine_stats import EngineStats, LaneCounts
 
 API_KEY = "test-key"
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slimkv.attention import AttentionMetadata, PagedAttention
+from slimkv.attention.paged import AttentionMetadata, PagedAttention
 from slimkv.kv.cache import PagedKVCache
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 32, 4, 24

@@ -11,7 +11,7 @@ import torch
 from slimkv.bench.capacity_report import analyze
 from slimkv.cli import main
 from slimkv.config import Config
-from slimkv.runner import resolve_dtype
+from slimkv.engine.runner import resolve_dtype
 from slimkv.kv.staging import Staging
 
 pytestmark = pytest.mark.slow

@@ -3,9 +3,9 @@ held back until they resolve; a stop string never reaches the output."""
 
 from __future__ import annotations
 
-from slimkv.outputs import Detokenizer
-from slimkv.sampling_params import SamplingParams
-from slimkv.sequence import Sequence
+from slimkv.engine.outputs import Detokenizer
+from slimkv.engine.sampling_params import SamplingParams
+from slimkv.engine.sequence import Sequence
 
 
 class ByteTokenizer:

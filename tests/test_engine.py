@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from slimkv.config import Config
-from slimkv.engine import RequestError
-from slimkv.runner import resolve_dtype
+from slimkv.engine.llm_engine import RequestError
+from slimkv.engine.runner import resolve_dtype
 from slimkv.llm import LLM
-from slimkv.sampling import SamplingParams
+from slimkv.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -222,7 +222,7 @@ def test_paged_admits_what_contiguous_refuses_in_the_same_memory():
 
 
 def test_auto_model_dtype_is_bfloat16_only_where_native(monkeypatch: pytest.MonkeyPatch) -> None:
-    import slimkv.runner as runner_module
+    import slimkv.engine.runner as runner_module
 
     cpu = torch.device("cpu")
     assert resolve_dtype("float32", cpu) == torch.float32

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from slimkv.config import Config
-from slimkv.engine import RequestError
+from slimkv.engine.llm_engine import RequestError
 from slimkv.llm import LLM
 from slimkv.options.structured import StructuredOutput, canonical_schema
-from slimkv.outputs import RequestOutput
-from slimkv.sampling import Sampler, SamplingParams
+from slimkv.engine.outputs import RequestOutput
+from slimkv.engine.sampling import Sampler, SamplingParams
 
 pytestmark = pytest.mark.slow
 

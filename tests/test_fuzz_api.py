@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, settings
 
 from conftest import serve_app
 from slimkv.config import ServerConfig
-from slimkv.outputs import RequestOutput
+from slimkv.engine.outputs import RequestOutput
 from slimkv.server.app import create_app
 
 KEY = "fuzz-key"

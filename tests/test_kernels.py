@@ -7,7 +7,7 @@ import torch
 
 from slimkv import kernels
 from slimkv.kernels import build
-from slimkv.attention import AttentionMetadata, PagedAttention, reference_paged_attention
+from slimkv.attention.paged import AttentionMetadata, PagedAttention, reference_paged_attention
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
 

@@ -12,7 +12,7 @@ from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.layers import side_codec
 from slimkv.kv.staging import Staging
 from slimkv.llm import LLM
-from slimkv.sampling import SamplingParams
+from slimkv.engine.sampling import SamplingParams
 
 SMOLLM2 = dict(num_layers=30, num_kv_heads=3, head_dim=64)
 SHAPE = dict(**SMOLLM2, block_size=16)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from slimkv.attention import AttentionMetadata, PagedAttention
+from slimkv.attention.paged import AttentionMetadata, PagedAttention
 from slimkv.kv.block_scales import ChannelBlockInt4Codec, per_channel_block
 from slimkv.kv.cache import PagedKVCache, side_codec
 from slimkv.kv.quant import Int4Codec, make_codec
@@ -180,8 +180,8 @@ def test_prefix_hits_on_quantized_blocks_equal_cold_prefill() -> None:
     """The second request reuses the first one's full (quantized) blocks; its logits and
     greedy tokens equal a cold prefill of the same prompt on a fresh engine."""
     from slimkv.config import Config
-    from slimkv.engine import LLMEngine
-    from slimkv.sampling import SamplingParams
+    from slimkv.engine.llm_engine import LLMEngine
+    from slimkv.engine.sampling import SamplingParams
 
     config = Config.load().replace("model", device="cpu", dtype="float32").replace(
         "kv_cache", k_scale="per_channel_block", num_blocks=64)

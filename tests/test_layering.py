@@ -17,18 +17,19 @@ PACKAGE = Path(__file__).resolve().parent.parent / "slimkv"
 
 # The serving core, bottom-up; a module may import its own layer and the layers below.
 CORE_LAYERS = [
-    ["slimkv.config", "slimkv.stats", "slimkv.engine_stats"],
+    ["slimkv.config", "slimkv.stats", "slimkv.engine", "slimkv.attention",
+     "slimkv.engine.engine_stats"],
     ["slimkv.kernels.build", "slimkv.kernels.qgemm", "slimkv.kernels.tile_gemm"],
-    ["slimkv.model", "slimkv.sampling_params", "slimkv.sampling", "slimkv.choices", "slimkv.kv.quant",
+    ["slimkv.model", "slimkv.engine.sampling_params", "slimkv.engine.sampling", "slimkv.engine.choices", "slimkv.kv.quant",
      "slimkv.kv.block_scales", "slimkv.kv.layers", "slimkv.kv.block_pool", "slimkv.kv.connector",
      "slimkv.kv.hugepages",
-     "slimkv.sequence",
-     "slimkv.kv.manager", "slimkv.kv.contiguous", "slimkv.outputs"],
+     "slimkv.engine.sequence",
+     "slimkv.kv.manager", "slimkv.kv.contiguous", "slimkv.engine.outputs"],
     ["slimkv.kv.cache", "slimkv.kv.staging", "slimkv.kv", "slimkv.kernels"],
-    ["slimkv.prefill", "slimkv.metadata", "slimkv.attention"],
-    ["slimkv.scheduler", "slimkv.memory"],
-    ["slimkv.runner"],
-    ["slimkv.engine"],
+    ["slimkv.attention.prefill", "slimkv.attention.metadata", "slimkv.attention.paged"],
+    ["slimkv.engine.scheduler", "slimkv.engine.memory"],
+    ["slimkv.engine.runner"],
+    ["slimkv.engine.llm_engine"],
     # Plug-ins: the core calls them through a protocol and never imports them; they import
     # the core below the engine, and the engine's builder (slimkv.plugins) imports them.
     ["slimkv.kv.offload", "slimkv.options"],
@@ -39,8 +40,8 @@ TOOLS = ("slimkv.server", "slimkv.cluster", "slimkv.bench", "slimkv.eval", "slim
          "slimkv.cli", "slimkv.profile_cli", "slimkv.verify", "slimkv.planner",
          "slimkv.simulate")
 # The block bookkeeping a simulator drives without a model: it must not need torch.
-TORCH_FREE = ("slimkv.scheduler", "slimkv.kv.manager", "slimkv.kv.block_pool",
-              "slimkv.kv.contiguous", "slimkv.sequence", "slimkv.config")
+TORCH_FREE = ("slimkv.engine.scheduler", "slimkv.kv.manager", "slimkv.kv.block_pool",
+              "slimkv.kv.contiguous", "slimkv.engine.sequence", "slimkv.config")
 
 
 def module_name(path: Path) -> str:

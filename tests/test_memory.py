@@ -1,4 +1,4 @@
-"""Start-up memory measurement (slimkv/memory.py): the activation peak the engine reports
+"""Start-up memory measurement (slimkv/engine/memory.py): the activation peak the engine reports
 and the planner reserves."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from slimkv.config import Config
-from slimkv.memory import LiveBytes, activation_peak
-from slimkv.sampling import SamplingParams
+from slimkv.engine.memory import LiveBytes, activation_peak
+from slimkv.engine.sampling import SamplingParams
 from slimkv.workload import random_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,7 +23,7 @@ def test_start_up_survives_a_one_token_chunk() -> None:
     max_model_len 1) leaves single-token queries, which once reached the fused C kernel
     with fake tensors (SIGSEGV). Run in a child so a crash is a failure, not the end of
     the test run."""
-    code = ("from slimkv.config import Config\nfrom slimkv.engine import LLMEngine\n"
+    code = ("from slimkv.config import Config\nfrom slimkv.engine.llm_engine import LLMEngine\n"
             "for n in (511, 1):\n"
             "    config = Config.from_dict({'model': {'max_model_len': n, 'dtype': 'float32'},\n"
             "                               'kv_cache': {'num_blocks': 64}})\n"
@@ -38,7 +38,7 @@ def test_start_up_figure_covers_a_real_step_of_that_shape(k_scale: str) -> None:
     """Independent check: the live bytes of a real engine step (one 512-token prompt, one
     sampled row; real tensors through the real runner) never exceed the replayed figure
     for that step. The default, staged layout was once replayed unstaged and came short."""
-    from slimkv.engine import LLMEngine
+    from slimkv.engine.llm_engine import LLMEngine
 
     config = Config.from_dict({"model": {"dtype": "float32"},
                                "kv_cache": {"num_blocks": 64, "k_scale": k_scale}})

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from slimkv.config import ConfigError
-from slimkv.engine import LLMEngine
+from slimkv.engine.llm_engine import LLMEngine
 from slimkv.kv.cache import PagedKVCache
 from slimkv.model.loader import read_model_args
 from slimkv.plugins import build_engine
 from slimkv.kv.offload.chunk import CHUNK_BLOCKS
 from slimkv.kv.offload.disk import HEADER
-from slimkv.sampling import SamplingParams
-from slimkv.sequence import Sequence
+from slimkv.engine.sampling import SamplingParams
+from slimkv.engine.sequence import Sequence
 from tests.conftest import small_config
 
 pytestmark = pytest.mark.slow

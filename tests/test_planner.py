@@ -82,7 +82,7 @@ def test_parse_bytes() -> None:
 
 @pytest.mark.slow
 def test_plan_matches_the_engine_for_smollm2() -> None:
-    from slimkv.engine import LLMEngine
+    from slimkv.engine.llm_engine import LLMEngine
 
     # Unquantized weights (a pinned model dtype); the quantized classes: the test below.
     config = Config.from_dict({"kv_cache": {"memory_gb": 0.125}, "model": {"dtype": "float32"}})
@@ -100,7 +100,7 @@ def test_plan_matches_the_engine_for_smollm2() -> None:
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 def test_plan_counts_quantized_weights_as_the_engine_holds_them(weights: str) -> None:
-    from slimkv.engine import LLMEngine
+    from slimkv.engine.llm_engine import LLMEngine
     from slimkv.kernels.qgemm import qgemm_kernel
 
     if qgemm_kernel() is None:

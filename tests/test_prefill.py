@@ -1,4 +1,4 @@
-"""Prefill attention in pieces (slimkv.prefill) equals the reference attention, for chunks
+"""Prefill attention in pieces (slimkv.attention.prefill) equals the reference attention, for chunks
 cut into many pieces (``PIECE`` lowered to a few blocks), staged and unstaged caches."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slimkv import prefill
-from slimkv.attention import AttentionMetadata, PagedAttention
+from slimkv.attention import prefill
+from slimkv.attention.paged import AttentionMetadata, PagedAttention
 from slimkv.kernels.prefill_attn import prefill_kernel, prefill_kernel_unavailable_reason
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from slimkv.config import Config
-from slimkv.memory import LiveBytes
+from slimkv.engine.memory import LiveBytes
 from slimkv.profile_cli import recommend, run_workload
 
 
@@ -26,7 +26,7 @@ def test_live_bytes_counts_new_storages_once_and_ignores_old_ones() -> None:
 
 @pytest.mark.slow
 def test_profile_kv_bytes_int8_vs_bfloat16() -> None:
-    from slimkv.engine import LLMEngine
+    from slimkv.engine.llm_engine import LLMEngine
 
     reports = {}
     for kv in ("bfloat16", "int8"):

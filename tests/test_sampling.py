@@ -5,8 +5,8 @@ import torch
 
 from slimkv.options.logprobs import Logprobs
 from slimkv.options.penalties import Penalties, process_logits_
-from slimkv.sampling import Sampler, SamplingParams, sample
-from slimkv.sequence import Sequence
+from slimkv.engine.sampling import Sampler, SamplingParams, sample
+from slimkv.engine.sequence import Sequence
 
 
 def test_greedy_and_sampled_rows_in_one_batch():
@@ -105,7 +105,7 @@ def test_logprobs_are_the_raw_log_softmax_with_the_top_k():
 def test_argmax_rows_matches_torch_argmax():
     """The greedy pick equals torch's argmax(dim=-1): first maximum on ties, NaN as the
     maximum, -inf rows, non-contiguous rows, and non-float32 logits (torch's own path)."""
-    from slimkv.sampling import argmax_rows
+    from slimkv.engine.sampling import argmax_rows
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, 1000, generator=g)
     x[1, 10] = x[1, 900] = x[1].max() + 1  # tie: the first

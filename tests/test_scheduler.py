@@ -5,9 +5,9 @@ engine's part (computed tokens advance, a caught-up sequence emits one token).""
 from slimkv.config import KVCacheConfig, SchedulerConfig
 from slimkv.kv.block_pool import BlockPool
 from slimkv.kv.manager import KVCacheManager
-from slimkv.sampling import SamplingParams
-from slimkv.scheduler import Scheduler
-from slimkv.sequence import Sequence, SequenceStatus
+from slimkv.engine.sampling import SamplingParams
+from slimkv.engine.scheduler import Scheduler
+from slimkv.engine.sequence import Sequence, SequenceStatus
 
 BS = 4
 

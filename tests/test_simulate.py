@@ -11,11 +11,11 @@ from collections.abc import Callable
 import pytest
 
 from slimkv.config import Config
-from slimkv.engine import LLMEngine
+from slimkv.engine.llm_engine import LLMEngine
 from slimkv.kv.block_pool import BlockPool
 from slimkv.kv.manager import KVCacheManager
-from slimkv.sampling_params import SamplingParams
-from slimkv.sequence import Sequence
+from slimkv.engine.sampling_params import SamplingParams
+from slimkv.engine.sequence import Sequence
 from slimkv.simulate.engine import Batch, SimEngine, StepRecord
 
 

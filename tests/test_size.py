@@ -17,12 +17,10 @@ CORE_BUDGET, MODULE_MAX = 3000, 300
 # detokenizer, the model and its weights, the KV pool, its formats and its connector
 # protocol, attention and the kernel glue, start-up memory, the runner, the engine and its
 # stats snapshot.
-CORE = ["config.py", "stats.py", "sequence.py", "sampling_params.py", "sampling.py",
-        "choices.py", "outputs.py", "model/*.py", "kv/*.py", "metadata.py", "attention.py", "prefill.py",
-        "kernels/*.py", "scheduler.py", "memory.py", "runner.py", "engine.py",
-        "engine_stats.py"]
+CORE = ["config.py", "stats.py", "engine/*.py", "model/*.py", "kv/*.py", "attention/*.py",
+        "kernels/*.py"]
 # Plug-ins: the core calls them through a protocol (kv/connector.py's KVConnector,
-# sampling.py's LogitsProcessor) and never imports them; slimkv/plugins.py builds engines
+# engine/sampling.py's LogitsProcessor) and never imports them; slimkv/plugins.py builds engines
 # with them. The offload tier and the OpenAI sampling options (logprobs, penalties,
 # logit_bias, min_tokens, structured output).
 PLUGINS = ("slimkv.kv.offload", "slimkv.options")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from slimkv.attention import FAST_ENV
+from slimkv.attention.paged import FAST_ENV
 from slimkv.cli import main
 from slimkv.config import Config, ConfigError
 from slimkv.verify import ALL_KV_DTYPES, verify
@@ -31,7 +31,7 @@ def test_verify_passes_for_every_dtype_on_cpu() -> None:
 
 def test_forced_fallback_fails_verify_and_strict_startup(monkeypatch: pytest.MonkeyPatch,
                                                          capsys: pytest.CaptureFixture) -> None:
-    from slimkv.engine import LLMEngine
+    from slimkv.engine.llm_engine import LLMEngine
 
     monkeypatch.setenv(FAST_ENV, "0")
     [result] = verify(Config(), ["int8"])

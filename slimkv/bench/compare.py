@@ -20,9 +20,9 @@ from slimkv.bench.compare_report import TARGETS, ratios, verdicts, vllm_8bit_bas
 from slimkv.bench.engine import machine_info
 from slimkv.bench.peers import Peers
 from slimkv.config import Config
-from slimkv.engine import LLMEngine
+from slimkv.engine.llm_engine import LLMEngine
 from slimkv.plugins import build_engine
-from slimkv.sampling import SamplingParams
+from slimkv.engine.sampling import SamplingParams
 from slimkv.workload import random_prompt, run_until_done
 
 BATCHES = [16, 32]  # concurrent sequences of the decode-step workload

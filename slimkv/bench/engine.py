@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from slimkv.config import Config
-from slimkv.engine import LLMEngine
+from slimkv.engine.llm_engine import LLMEngine
 from slimkv.plugins import build_engine
-from slimkv.sampling import SamplingParams
+from slimkv.engine.sampling import SamplingParams
 from slimkv.workload import random_prompt, run_until_done
 
 

@@ -21,9 +21,9 @@ from typing import Any
 
 from slimkv.bench.engine import machine_info
 from slimkv.config import Config
-from slimkv.engine import LLMEngine
+from slimkv.engine.llm_engine import LLMEngine
 from slimkv.plugins import build_engine
-from slimkv.sampling import SamplingParams
+from slimkv.engine.sampling import SamplingParams
 from slimkv.stats import cdiv
 from slimkv.workload import percentile
 

@@ -14,7 +14,7 @@ from typing import Any
 from slimkv.bench.engine import machine_info
 from slimkv.config import Config
 from slimkv.plugins import build_engine
-from slimkv.sampling import SamplingParams
+from slimkv.engine.sampling import SamplingParams
 from slimkv.workload import percentile, random_prompt
 
 

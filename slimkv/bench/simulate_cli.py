@@ -21,7 +21,7 @@ def _quiet() -> None:
     """The scheduler logs every watermark crossing: thousands in a simulated hour."""
     import logging
 
-    logging.getLogger("slimkv.scheduler").setLevel(logging.ERROR)
+    logging.getLogger("slimkv.engine.scheduler").setLevel(logging.ERROR)
 
 
 def add_simulate_cli(bench: argparse._SubParsersAction) -> None:

@@ -30,7 +30,7 @@ from slimkv.cluster.router import ROUTERS
 from slimkv.cluster.wire import RouteHint, WireError, WireRequest
 from slimkv.config import Config
 from slimkv.model.loader import load_tokenizer
-from slimkv.outputs import RequestOutput
+from slimkv.engine.outputs import RequestOutput
 from slimkv.server.app import create_app
 from slimkv.server.async_engine import GenerateRequest
 from slimkv.server.errors import APIError

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slimkv.config import ClusterConfig
-from slimkv.engine_stats import EngineStats
+from slimkv.engine.engine_stats import EngineStats
 
 DEFAULT_PREFIX_CAPACITY = 65536  # blocks remembered per replica when its pool size is unknown
 

@@ -21,7 +21,7 @@ from ray import serve
 from slimkv.cluster.policy import routing_stats
 from slimkv.cluster.wire import RouteHint, WireError, WireRequest
 from slimkv.config import Config
-from slimkv.outputs import RequestOutput
+from slimkv.engine.outputs import RequestOutput
 from slimkv.plugins import build_engine
 from slimkv.server.async_engine import AsyncEngine, GenerateRequest
 from slimkv.server.canary import Canary

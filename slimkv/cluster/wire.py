@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from slimkv.cluster.policy import RouteKeys
-from slimkv.sampling import SamplingParams
+from slimkv.engine.sampling import SamplingParams
 from slimkv.server.errors import APIError
 
 

@@ -17,7 +17,7 @@ from slimkv.eval.recall import conversation_probes, document_probes
 from slimkv.eval.retrieval import passkey_probes
 from slimkv.llm import LLM
 from slimkv.model.tokenizer import Tokenizer
-from slimkv.sampling import SamplingParams
+from slimkv.engine.sampling import SamplingParams
 
 TASKS = ("passkey", "head_recall", "multi_turn")
 # Prefill budget per step while evaluating: results do not depend on it (every chunk reads

@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from slimkv.config import Config
-from slimkv.engine import LLMEngine
+from slimkv.engine.llm_engine import LLMEngine
 from slimkv.eval import corpus
 from slimkv.eval.harness import eval_config
 from slimkv.eval.perplexity import TokenStats, next_token_logprobs

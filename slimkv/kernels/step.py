@@ -77,7 +77,7 @@ class LeanStep:
     """The embedding and all layers of a decode step in one call where it can run; see the
     module doc.
 
-    ``attention`` is the model's :class:`~slimkv.attention.PagedAttention` (its
+    ``attention`` is the model's :class:`~slimkv.attention.paged.PagedAttention` (its
     ``can_lean``, ``lean_layer`` and ``after_lean_step``); ``enabled`` = False keeps the
     per-op path (tests compare the two)."""
 

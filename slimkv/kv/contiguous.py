@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from slimkv.kv.block_pool import Block, BlockPool
 from slimkv.kv.manager import KVCacheManager
-from slimkv.sequence import Sequence
+from slimkv.engine.sequence import Sequence
 from slimkv.stats import cdiv
 
 

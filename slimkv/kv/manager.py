@@ -8,7 +8,7 @@ from typing import Hashable
 
 from slimkv.kv.block_pool import Block, BlockHash, BlockPool, hash_block
 from slimkv.kv.connector import KVConnector
-from slimkv.sequence import Sequence
+from slimkv.engine.sequence import Sequence
 from slimkv.stats import cdiv
 
 

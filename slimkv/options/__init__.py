@@ -1,4 +1,4 @@
-"""The OpenAI sampling options as logits processors (:class:`slimkv.sampling.LogitsProcessor`):
+"""The OpenAI sampling options as logits processors (:class:`slimkv.engine.sampling.LogitsProcessor`):
 plug-ins the core calls but never imports. :func:`slimkv.plugins.build_engine` hands the
 engine :func:`logits_processors`."""
 
@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 from slimkv.options.logprobs import Logprobs
 from slimkv.options.penalties import Penalties
 from slimkv.options.structured import Grammars, StructuredOutput
-from slimkv.sampling import LogitsProcessor
+from slimkv.engine.sampling import LogitsProcessor
 
 if TYPE_CHECKING:
-    from slimkv.runner import ModelRunner
+    from slimkv.engine.runner import ModelRunner
 
 
 def logits_processors(runner: ModelRunner) -> list[LogitsProcessor]:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from slimkv.sampling import LogitsProcessor, SampledToken
-from slimkv.sequence import Sequence
+from slimkv.engine.sampling import LogitsProcessor, SampledToken
+from slimkv.engine.sequence import Sequence
 
 
 class Logprobs(LogitsProcessor):

@@ -14,8 +14,8 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from slimkv.sampling import LogitsProcessor
-from slimkv.sequence import Sequence
+from slimkv.engine.sampling import LogitsProcessor
+from slimkv.engine.sequence import Sequence
 
 
 class Penalties(LogitsProcessor):

@@ -23,8 +23,8 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
-from slimkv.sampling import LogitsProcessor, SampledToken
-from slimkv.sequence import Sequence
+from slimkv.engine.sampling import LogitsProcessor, SampledToken
+from slimkv.engine.sequence import Sequence
 
 CACHE_SIZE = 64
 JSON_OBJECT_SCHEMA = {"type": "object"}  # response_format {"type": "json_object"}

@@ -23,10 +23,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from slimkv.engine import LLMEngine, RequestError
-from slimkv.engine_stats import EngineStats
-from slimkv.outputs import RequestOutput
-from slimkv.sampling import SamplingParams
+from slimkv.engine.llm_engine import LLMEngine, RequestError
+from slimkv.engine.engine_stats import EngineStats
+from slimkv.engine.outputs import RequestOutput
+from slimkv.engine.sampling import SamplingParams
 from slimkv.server.cache_state import CacheHistory
 from slimkv.server.canary import Canary
 from slimkv.server.errors import APIError, ServerBusy

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
-from slimkv.outputs import RequestOutput
+from slimkv.engine.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from slimkv.server.async_engine import GenerateRequest

@@ -2,7 +2,7 @@
 
 Everything here runs on the engine thread: :class:`CacheHistory` is a step hook of the
 :class:`~slimkv.server.async_engine.AsyncEngine` (it gets the step's
-:class:`~slimkv.engine_stats.EngineStats` and counter increments), and
+:class:`~slimkv.engine.engine_stats.EngineStats` and counter increments), and
 :meth:`CacheHistory.snapshot` is posted with ``AsyncEngine.call``, so it reads the engine's
 stats and block map between two steps and returns plain data that the handler serialises. The schema is documented in the README ("Dashboard");
 ``SCHEMA_VERSION`` changes only when a field is removed or changes meaning.
@@ -14,8 +14,8 @@ import time
 from collections import deque
 from typing import Any
 
-from slimkv.engine_stats import BlockInfo, EngineStats
-from slimkv.outputs import RequestOutput
+from slimkv.engine.engine_stats import BlockInfo, EngineStats
+from slimkv.engine.outputs import RequestOutput
 from slimkv.workload import percentile
 
 SCHEMA_VERSION = 1

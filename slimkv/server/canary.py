@@ -26,9 +26,9 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from slimkv.config import Config
-from slimkv.engine import RequestError
+from slimkv.engine.llm_engine import RequestError
 from slimkv.plugins import build_engine
-from slimkv.sampling import SamplingParams
+from slimkv.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Prometheus metrics, named after vLLM's (``vllm:`` becomes ``slimkv:``).
 
 The engine thread calls :meth:`ServerMetrics.update` after every step with the engine's
-:class:`~slimkv.engine_stats.EngineStats` and the increments of its monotonic counters
+:class:`~slimkv.engine.engine_stats.EngineStats` and the increments of its monotonic counters
 (:class:`CounterDeltas`), so gauges show the state the engine itself
 saw and no engine structure is read from another thread. Each server gets its own
 registry, so several servers can live in one process (tests).
@@ -12,8 +12,8 @@ from __future__ import annotations
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Info,
                                generate_latest)
 
-from slimkv.engine_stats import EngineStats
-from slimkv.outputs import RequestOutput
+from slimkv.engine.engine_stats import EngineStats
+from slimkv.engine.outputs import RequestOutput
 from slimkv.server.offload_metrics import OffloadCollector
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,

@@ -1,5 +1,5 @@
 """Prometheus series of the KV offload tier (``kv_cache.offload``), rendered at scrape time
-from the latest :class:`~slimkv.engine_stats.EngineStats` the engine thread handed over:
+from the latest :class:`~slimkv.engine.engine_stats.EngineStats` the engine thread handed over:
 the tier keeps monotonic totals and cumulative load-latency buckets, so the exposition is
 the engine's own numbers, never increments re-counted here. Nothing is exported while the
 tier is off."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from slimkv.outputs import RequestOutput, TokenLogprob
+from slimkv.engine.outputs import RequestOutput, TokenLogprob
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -Infinity
 

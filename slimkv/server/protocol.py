@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from slimkv.options.structured import JSON_OBJECT_SCHEMA, canonical_schema, schema_error
-from slimkv.sampling import SamplingParams
+from slimkv.engine.sampling import SamplingParams
 from slimkv.server.errors import APIError
 
 MAX_STOP_STRINGS = 4

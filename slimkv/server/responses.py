@@ -20,7 +20,7 @@ from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Send
 
-from slimkv.outputs import RequestOutput, TokenLogprob
+from slimkv.engine.outputs import RequestOutput, TokenLogprob
 from slimkv.server.errors import APIError
 from slimkv.server.payloads import chat_choice, completion_choice, response_envelope, usage
 from slimkv.server.protocol import SamplingRequest

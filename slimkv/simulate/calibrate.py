@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from slimkv.config import Config
-from slimkv.engine import LLMEngine
+from slimkv.engine.llm_engine import LLMEngine
 from slimkv.plugins import build_engine
 from slimkv.simulate.costs import Device, ModelCost, StepModel
 from slimkv.simulate.engine import Batch, Finished, SimEngine, StepRecord

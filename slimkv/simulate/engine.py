@@ -1,6 +1,6 @@
 """A simulated engine: the real scheduler, KV manager and block pool on a simulated clock.
 
-:class:`SimEngine` does what :meth:`slimkv.engine.LLMEngine.step` does, decision for
+:class:`SimEngine` does what :meth:`slimkv.engine.llm_engine.LLMEngine.step` does, decision for
 decision (the same ``Scheduler.schedule()``, ``KVCacheManager.allocate/free/
 cache_full_blocks``, prefix hits, watermark, lanes, preemption, session-head protection),
 but where the engine runs a model forward it asks a step-time model how long that batch
@@ -20,9 +20,9 @@ from slimkv.config import KVCacheConfig, SchedulerConfig
 from slimkv.kv.block_pool import BlockPool
 from slimkv.kv.contiguous import ContiguousKVManager
 from slimkv.kv.manager import KVCacheManager
-from slimkv.sampling_params import SamplingParams
-from slimkv.scheduler import Scheduler
-from slimkv.sequence import Sequence, SequenceStatus
+from slimkv.engine.sampling_params import SamplingParams
+from slimkv.engine.scheduler import Scheduler
+from slimkv.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True, slots=True)

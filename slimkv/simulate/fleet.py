@@ -18,7 +18,7 @@ from typing import Any
 
 from slimkv.cluster.policy import Balance, PrefixIndex, ReplicaLoad, RouteKeys, route
 from slimkv.config import ClusterConfig
-from slimkv.sampling_params import SamplingParams
+from slimkv.engine.sampling_params import SamplingParams
 from slimkv.simulate.card import Card
 from slimkv.simulate.run import percentiles
 from slimkv.simulate.workload import Client, SessionSpec

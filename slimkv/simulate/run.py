@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from slimkv.sampling_params import SamplingParams
+from slimkv.engine.sampling_params import SamplingParams
 from slimkv.simulate.engine import Finished, StepRecord
 from slimkv.simulate.workload import Client, SessionSpec, Turn
 

@@ -14,7 +14,7 @@ from slimkv.kv.offload.tier import OffloadTier
 from slimkv.model import default_model_path
 
 if TYPE_CHECKING:
-    from slimkv.runner import ModelRunner
+    from slimkv.engine.runner import ModelRunner
 
 
 def offload_connector(runner: ModelRunner) -> OffloadTier:

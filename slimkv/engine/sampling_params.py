@@ -78,7 +78,7 @@ class SamplingParams:
     @property
     def options(self) -> frozenset[str]:
         """The OpenAI options asked for, by the names of the logits processors that serve
-        them (:class:`~slimkv.sampling.LogitsProcessor`)."""
+        them (:class:`~slimkv.engine.sampling.LogitsProcessor`)."""
         asked = {"logprobs": self.logprobs is not None, "min_tokens": self.min_tokens,
                  "logit_bias": self.logit_bias, "penalties": self.has_penalties,
                  "json_schema": self.json_schema is not None}

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from slimkv.config import KVCacheConfig, SchedulerConfig
 from slimkv.kv.manager import KVCacheManager
-from slimkv.sequence import Sequence, SequenceStatus
+from slimkv.engine.sequence import Sequence, SequenceStatus
 from slimkv.stats import cdiv
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ from enum import Enum, auto
 from typing import TYPE_CHECKING, Any, Hashable
 
 from slimkv.kv.block_pool import Block
-from slimkv.sampling_params import SamplingParams
+from slimkv.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch

@@ -2,7 +2,7 @@
 
 It owns the model, the KV pool, the staging blocks and the attention, and turns the
 scheduler's ``(sequence, tokens)`` pairs into one batched forward: ``_prepare`` lays the
-tokens out with their block tables (:class:`~slimkv.attention.AttentionMetadata`),
+tokens out with their block tables (:class:`~slimkv.attention.paged.AttentionMetadata`),
 ``_forward`` runs the model over the paged cache, and the sampler picks the next tokens.
 Block bookkeeping (which blocks a sequence holds) stays with the engine's KV manager.
 """
@@ -13,17 +13,17 @@ from typing import Callable
 
 import torch
 
-from slimkv.attention import AttentionMetadata, PagedAttention
+from slimkv.attention.paged import AttentionMetadata, PagedAttention
 from slimkv.config import Config, ConfigError
 from slimkv.kernels.qgemm import qgemm_native, qgemm_unavailable_reason
 from slimkv.kernels.step import LeanStep
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
-from slimkv.memory import activation_peak, weight_bytes
+from slimkv.engine.memory import activation_peak, weight_bytes
 from slimkv.model import load_model
 from slimkv.model.lean import set_activations
-from slimkv.sampling import LogitsProcessor, SampledToken, Sampler
-from slimkv.sequence import Sequence
+from slimkv.engine.sampling import LogitsProcessor, SampledToken, Sampler
+from slimkv.engine.sequence import Sequence
 
 GiB = 1 << 30
 _CPU_BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
@@ -146,7 +146,7 @@ class ModelRunner:
 
     def memory_split(self) -> dict[str, int]:
         """Bytes of the weights, the KV pool, its staging blocks, and the activation peak of
-        the largest step (measured at start-up, see :func:`slimkv.memory.activation_peak`)."""
+        the largest step (measured at start-up, see :func:`slimkv.engine.memory.activation_peak`)."""
         return {"weights": weight_bytes(self.model), "kv_cache": self.cache.nbytes,
                 "kv_staging": self.staging.nbytes if self.staging else 0,
                 "activations": self.activation_bytes}

@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from slimkv.attention import AttentionMetadata, PagedAttention
+from slimkv.attention.paged import AttentionMetadata, PagedAttention
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.layers import LayerDtypes, layer_dtype_names
 from slimkv.kv.staging import Staging

@@ -1,4 +1,4 @@
-"""The batched sampler (per-request parameters: :mod:`slimkv.sampling_params`).
+"""The batched sampler (per-request parameters: :mod:`slimkv.engine.sampling_params`).
 
 Per step: the logits processors that some row wants edit the logits (in their list's
 order), then the draw, then they see the drawn tokens. The processors are plug-ins (vLLM
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from slimkv.sampling_params import SamplingParams
-from slimkv.sequence import Sequence
+from slimkv.engine.sampling_params import SamplingParams
+from slimkv.engine.sequence import Sequence
 
 __all__ = ["LogitsProcessor", "Sampler", "SamplingParams", "SampledToken"]
 

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from slimkv.kv.staging import StagedKV
-from slimkv.prefill import Piece
+from slimkv.attention.prefill import Piece
 
 
 @dataclass(slots=True)

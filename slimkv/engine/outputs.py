@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from slimkv.model.tokenizer import Tokenizer
-from slimkv.sampling import SampledToken
-from slimkv.sequence import Sequence
+from slimkv.engine.sampling import SampledToken
+from slimkv.engine.sequence import Sequence
 
 
 @dataclass(slots=True)

@@ -15,17 +15,17 @@ from typing import Callable, Hashable
 import torch
 
 from slimkv.config import Config, ConfigError
-from slimkv.engine_stats import BlockInfo, EngineStats, LaneCounts
+from slimkv.engine.engine_stats import BlockInfo, EngineStats, LaneCounts
 from slimkv.kv.block_pool import BlockPool
 from slimkv.kv.connector import KVConnector
 from slimkv.kv.contiguous import ContiguousKVManager
 from slimkv.kv.manager import KVCacheManager
-from slimkv.choices import Choices
-from slimkv.outputs import Detokenizer, RequestOutput, token_logprobs
-from slimkv.runner import ModelRunner
-from slimkv.sampling import LogitsProcessor, SampledToken, SamplingParams
-from slimkv.scheduler import Scheduler
-from slimkv.sequence import Sequence, SequenceStatus
+from slimkv.engine.choices import Choices
+from slimkv.engine.outputs import Detokenizer, RequestOutput, token_logprobs
+from slimkv.engine.runner import ModelRunner
+from slimkv.engine.sampling import LogitsProcessor, SampledToken, SamplingParams
+from slimkv.engine.scheduler import Scheduler
+from slimkv.engine.sequence import Sequence, SequenceStatus
 
 
 class RequestError(ValueError):
@@ -82,7 +82,7 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None,
                     session_id: Hashable | None = None) -> Sequence:
-        """Queue a request; returns its first sequence (``n`` choices: slimkv.choices)."""
+        """Queue a request; returns its first sequence (``n`` choices: slimkv.engine.choices)."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_request(ids, params)
         request_id = request_id or f"req-{next(self._ids)}"

@@ -4,7 +4,7 @@ n choices cost one prefill (plus each one's last, partial block)."""
 
 from __future__ import annotations
 
-from slimkv.sequence import Sequence
+from slimkv.engine.sequence import Sequence
 
 
 class Choices:

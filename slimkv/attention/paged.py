@@ -27,9 +27,9 @@ from slimkv.kernels.stage import KINDS, stage_kernel
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.quant import FloatCodec
 from slimkv.kv.staging import Staging
-from slimkv.metadata import AttentionMetadata, DecodePlan
-from slimkv import prefill
-from slimkv.prefill import context_mask
+from slimkv.attention.metadata import AttentionMetadata, DecodePlan
+from slimkv.attention import prefill
+from slimkv.attention.prefill import context_mask
 
 __all__ = ["FAST_ENV", "AttentionMetadata", "DecodePlan", "PagedAttention",
            "reference_paged_attention", "sequence_context"]
