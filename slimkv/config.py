@@ -22,14 +22,13 @@ LAYER_KV_DTYPES = tuple(d for d in KV_DTYPES if d != "auto")
 # Key scale layouts (float dtypes ignore them); values are always scaled per token-head
 # (int4: per group of 32). See slimkv/kv/layers.py.
 K_SCALES = ("per_token", "per_channel_block")
-# Chosen by the eval harness: see README, "KV scale layouts".
+# Chosen by the eval harness: see docs/kv-formats.md.
 DEFAULT_K_SCALE = "per_channel_block"
 # Keys that were removed, with what to do instead: an old config fails naming them.
 REMOVED_KEYS = {"kv_cache.v_scale": "values are always scaled per token-head (int4: per group "
                                     "of 32); the key never changed anything, delete it"}
 EVICT_POLICIES = ("lru_block", "fifo")
 SCHEDULER_POLICIES = ("weighted", "fcfs")
-ROUTERS = ("slimkv", "pow2")  # cluster.router: ours, or Ray Serve's power of two choices
 DEFAULT_CONFIG_PATH = Path(__file__).parent / "configs" / "default.yaml"
 
 
@@ -105,6 +104,7 @@ class KVCacheConfig:
     block_size: int = 16
     memory_gb: float | None = 1.0
     num_blocks: int | None = None
+    memory_fraction: float = 0.9  # with memory_gb and num_blocks unset, on CUDA
     max_concurrency_soft: int = 48
     evict_policy: str = "lru_block"
     enable_prefix_caching: bool = True
@@ -124,11 +124,10 @@ class KVCacheConfig:
         _check(isinstance(self.block_size, int) and 1 <= self.block_size <= 256
                and self.block_size & (self.block_size - 1) == 0,
                "kv_cache.block_size", f"must be a power of two in [1, 256], got {self.block_size!r}")
-        _check(self.memory_gb is not None or self.num_blocks is not None,
-               "kv_cache.memory_gb", "set memory_gb or num_blocks")
         _check_int(self.num_blocks, "kv_cache.num_blocks", optional=True)
-        if self.num_blocks is None:
+        if self.num_blocks is None and self.memory_gb is not None:
             _check_positive(self.memory_gb, "kv_cache.memory_gb")
+        _check_fraction(self.memory_fraction, "kv_cache.memory_fraction")
         _check_int(self.max_concurrency_soft, "kv_cache.max_concurrency_soft")
         _check_choice(self.evict_policy, EVICT_POLICIES, "kv_cache.evict_policy")
         _check_fraction(self.watermark, "kv_cache.watermark")
@@ -178,66 +177,14 @@ class SchedulerConfig:
         _check_positive(self.queue_timeout_s, "scheduler.queue_timeout_s", optional=True)
 
 
-@dataclass(slots=True)
-class ServerConfig:
-    """HTTP front end."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    max_body_bytes: int = 4 * 1024 * 1024
-    max_n: int = 8  # the most choices (``n``) one request may ask for
-
-    def __post_init__(self) -> None:
-        _check(isinstance(self.port, int) and 0 <= self.port < 65536,
-               "server.port", f"must be a TCP port number, got {self.port!r}")
-        for key in ("max_body_bytes", "max_n"):
-            _check_int(getattr(self, key), f"server.{key}")
+# The tools' sections (``server``, ``canary``: slimkv/server/config.py; ``cluster``:
+# slimkv/cluster/config.py) live with their tools, which register their dataclasses here on
+# import (slimkv/__init__.py imports them); the engine never reads them.
+TOOL_SECTIONS: dict[str, type] = {}
 
 
-@dataclass(slots=True)
-class CanaryConfig:
-    """Shadow a fraction of live requests through a reference KV dtype."""
-
-    fraction: float = 0.0
-    reference_dtype: str = "float32"
-    memory_gb: float = 0.25
-    max_pending: int = 4
-
-    def __post_init__(self) -> None:
-        _check_fraction(self.fraction, "canary.fraction", allow_zero=True)
-        _check_choice(self.reference_dtype, KV_DTYPES, "canary.reference_dtype")
-        _check_positive(self.memory_gb, "canary.memory_gb")
-        _check_int(self.max_pending, "canary.max_pending")
-
-
-@dataclass(slots=True)
-class ClusterConfig:
-    """``replicas`` > 1: engine replicas on Ray Serve behind one endpoint (slimkv/cluster/);
-    ``ray_address`` None starts a local Ray (``num_cpus``: None all cores, ``object_store_mb``)
-    or else joins it. ``router``, ``routing_blocks``, ``balance_*``: slimkv/cluster/policy.py."""
-
-    replicas: int = 1
-    ray_address: str | None = None
-    num_cpus: int | None = None
-    object_store_mb: int = 256
-    replica_num_cpus: float = 1.0
-    max_ongoing_requests: int = 256   # Ray's default of 5 would starve continuous batching
-    router: str = "slimkv"
-    routing_blocks: int = 32
-    balance_abs_requests: int = 12
-    balance_rel: float = 1.5
-    stats_period_s: float = 1.0
-
-    def __post_init__(self) -> None:
-        for key in ("replicas", "object_store_mb", "max_ongoing_requests", "routing_blocks"):
-            _check_int(getattr(self, key), f"cluster.{key}")
-        _check_int(self.num_cpus, "cluster.num_cpus", optional=True)
-        _check_positive(self.replica_num_cpus, "cluster.replica_num_cpus", low=0, inclusive=True)
-        _check_choice(self.router, ROUTERS, "cluster.router")
-        _check_int(self.balance_abs_requests, "cluster.balance_abs_requests", 0)
-        _check_positive(self.balance_rel, "cluster.balance_rel", low=1, inclusive=True)
-        _check_positive(self.stats_period_s, "cluster.stats_period_s")
+def _tool_section(name: str) -> Any:
+    return field(default_factory=lambda: TOOL_SECTIONS[name]())
 
 
 @dataclass(slots=True)
@@ -245,17 +192,17 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    server: ServerConfig = field(default_factory=ServerConfig)
-    canary: CanaryConfig = field(default_factory=CanaryConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    server: Any = _tool_section("server")    # slimkv.server.config.ServerConfig
+    canary: Any = _tool_section("canary")    # slimkv.server.config.CanaryConfig
+    cluster: Any = _tool_section("cluster")  # slimkv.cluster.config.ClusterConfig
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> Config:
         data = data or {}
         _check(isinstance(data, dict), "<root>", "the config must be a mapping of sections")
-        _reject_unknown(data, _SECTIONS, "")
+        _reject_unknown(data, _sections(), "")
         sections = {}
-        for name, section_cls in _SECTIONS.items():
+        for name, section_cls in _sections().items():
             values = data.get(name) or {}
             _check(isinstance(values, dict), name, "must be a mapping")
             known = {f.name for f in dataclasses.fields(section_cls)}
@@ -277,16 +224,18 @@ class Config:
 
     def replace(self, section: str, **changes: Any) -> Config:
         """A copy with some keys of one section changed (validated again)."""
-        sections = {name: getattr(self, name) for name in _SECTIONS}
+        sections = {name: getattr(self, name) for name in _sections()}
         sections[section] = dataclasses.replace(sections[section], **changes)
         return Config(**sections)
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: dataclasses.asdict(getattr(self, name)) for name in _SECTIONS}
+        return {name: dataclasses.asdict(getattr(self, name)) for name in _sections()}
 
 
-# The YAML's sections: each field of Config, by name, and its dataclass.
-_SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+def _sections() -> dict[str, type]:
+    """The YAML's sections: each field of Config, by name, and its dataclass."""
+    return {f.name: TOOL_SECTIONS.get(f.name, f.default_factory)
+            for f in dataclasses.fields(Config)}
 
 
 def _reject_unknown(values: dict[str, Any], known: Any, prefix: str) -> None:

@@ -6,10 +6,10 @@ from collections import Counter
 import pytest
 from conftest import engine_stats
 
+from slimkv.cluster.config import ClusterConfig
 from slimkv.cluster.hashing import routing_hashes
 from slimkv.cluster.policy import (Balance, PrefixIndex, ReplicaLoad, RouteKeys,
                                    rendezvous_score, route, routing_stats)
-from slimkv.config import ClusterConfig
 from slimkv.kv.block_pool import hash_block
 
 REPLICAS = [f"r{i}" for i in range(4)]

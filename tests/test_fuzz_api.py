@@ -20,9 +20,9 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 
 from conftest import serve_app
-from slimkv.config import ServerConfig
 from slimkv.engine.outputs import RequestOutput
 from slimkv.server.app import create_app
+from slimkv.server.config import ServerConfig
 
 KEY = "fuzz-key"
 MAX_EXAMPLES = 60

@@ -33,7 +33,10 @@ CORE_LAYERS = [
     # Plug-ins: the core calls them through a protocol and never imports them; they import
     # the core below the engine, and the engine's builder (slimkv.plugins) imports them.
     ["slimkv.kv.offload", "slimkv.options"],
-    ["slimkv.llm", "slimkv.plugins", "slimkv.workload", "slimkv"],
+    ["slimkv.llm", "slimkv.plugins", "slimkv.workload", "slimkv",
+     # The tools' config sections, which the package imports to register them with Config
+     # (they import slimkv.config only).
+     "slimkv.server.config", "slimkv.cluster.config"],
 ]
 # Modules that plan, bench, serve or verify: above the core.
 TOOLS = ("slimkv.server", "slimkv.cluster", "slimkv.bench", "slimkv.eval", "slimkv.loadtest",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from slimkv.config import ServerConfig
 from slimkv.server.app import create_app
+from slimkv.server.config import ServerConfig
 
 
 class NoEngine:

@@ -40,7 +40,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from slimkv.config import ClusterConfig
+from slimkv.cluster.config import ClusterConfig
 from slimkv.engine.engine_stats import EngineStats
 
 DEFAULT_PREFIX_CAPACITY = 65536  # blocks remembered per replica when its pool size is unknown

@@ -28,15 +28,14 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 lane: str = "fast", session_id: Hashable | None = None,
-                 index: int = 0) -> None:
+                 session_id: Hashable | None = None, index: int = 0) -> None:
         self.request_id = request_id if index == 0 else f"{request_id}#{index}"  # unique
         self.parent_id = request_id  # the request it answers: one of its ``n`` choices
         self.index = index
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
-        self.lane = lane
+        self.lane = "fast"  # the scheduler's, set when it queues the sequence
         self.session_id = session_id
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0

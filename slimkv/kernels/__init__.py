@@ -75,11 +75,10 @@ class DecodeKernel:
         """``name``: ``paged_decode`` (the tiled AVX-512 or AVX2 path where built for one,
         else the portable loop) or ``paged_decode_portable`` (the portable loop always:
         tests)."""
-        self._fn = getattr(lib, name)
         i32, ptr, side = ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(KVSide)
-        self._fn.argtypes = [ptr, ptr, i32, i32, i32, i32, i32, ptr, i32, ptr, side, side,
-                             ptr, ptr, i32, ptr, ctypes.c_float]
-        self._fn.restype = None
+        self._fn = build.signature(getattr(lib, name), [ptr, ptr, i32, i32, i32, i32, i32, ptr,
+                                                        i32, ptr, side, side, ptr, ptr, i32,
+                                                        ptr, ctypes.c_float])
 
     def __call__(self, q: Tensor, block_tables: Tensor, seq_lens: Tensor, k: KVSide, v: KVSide,
                  num_kv_heads: int, block_size: int, scale: float,

@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -61,6 +61,12 @@ def load(source: Path) -> ctypes.CDLL | str:
                 return f"building {source.name} failed: {result.stderr.strip()[-500:]}"
             built.replace(lib)  # atomic: concurrent builders never load a partial file
     return ctypes.CDLL(str(lib))
+
+
+def signature(fn: Any, argtypes: list, restype: Any = None) -> Any:
+    """``fn``, a function of a loaded library, with its ctypes argument and result types."""
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
 
 
 class Kernel(Generic[T]):

@@ -18,11 +18,10 @@ SOURCE = Path(__file__).with_name("prefill_attention.c")
 
 class PrefillKernel:
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.prefill_attention
         i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-        self._fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i32, i32, i32,
-                             i32, i32, ctypes.c_float]
-        self._fn.restype = None
+        self._fn = build.signature(lib.prefill_attention, [ptr, i64, ptr, i64, ptr, i64, ptr,
+                                                            i64, ptr, i64, i32, i32, i32, i32,
+                                                            i32, ctypes.c_float])
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
                  scale: float) -> Tensor:

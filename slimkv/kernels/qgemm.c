@@ -8,8 +8,7 @@
  *     d * a_d * (q . qa) + m * a_s
  * and q . qa is computed with VNNI (vpdpbusd: unsigned weight bytes x signed activation
  * bytes) over W repacked at load time in tiles of 16 output rows (layout below), 16
- * outputs per instruction. IN_FLOAT keeps the activations float instead (exact, slower
- * here). The input can be normalised (RMSNorm) or be [gate | up] to
+ * outputs per instruction. The input can be normalised (RMSNorm) or be [gate | up] to
  * SiLU-multiply on the way in, and the result can be added to y (the residual): that is
  * what a decoder layer needs around each matmul, without a torch op in between.
  * Built by slimkv/kernels/build.py; without AVX512-VNNI a portable loop computes the same.
@@ -45,7 +44,7 @@ float expf(float);
 float expf(float);
 #endif
 
-enum { IN_PLAIN = 0, IN_RMSNORM = 1, IN_SILU_MUL = 2, IN_PRECISE = 4, IN_FLOAT = 8 }; /* 4, 8: OR'ed */
+enum { IN_PLAIN = 0, IN_RMSNORM = 1, IN_SILU_MUL = 2, IN_PRECISE = 4 }; /* 4: OR'ed */
 #ifndef QG_MT
 #define QG_MT 4 /* activation rows per weight pass */
 #endif
@@ -94,17 +93,8 @@ static void input_row(const float *x, int K, int mode, const float *norm_w, floa
 
 static void quantize_row(const float *x, int K, int mode, const float *norm_w, float eps,
                          float *tmp, int8_t *qa, float *ad, float *as, int32_t *qs) {
-    int precise = mode & IN_PRECISE, flt = mode & IN_FLOAT;
-    input_row(x, K, mode & ~(IN_PRECISE | IN_FLOAT), norm_w, eps, tmp);
-    if (flt) { /* IN_FLOAT: the row stays float (tmp), as holds its group sums */
-        for (int b = 0; b < K / 32; b++) {
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int i = 0; i < 32; i++) sum += tmp[b * 32 + i];
-            as[b] = sum;
-        }
-        return;
-    }
+    int precise = mode & IN_PRECISE;
+    input_row(x, K, mode & ~IN_PRECISE, norm_w, eps, tmp);
     for (int b = 0; b < K / 32; b++) {
         const float *v = tmp + b * 32;
         float amax = 0.0f;
@@ -233,80 +223,6 @@ micro(const uint8_t *w, const int bits, int nb, int t0, const int NT, const int8
     default: micro(w, bits, nb, t, NT, qa, ad, as, K, r, 8 <= MT ? 8 : 1, y, N, acc); break; \
     }
 
-/* IN_FLOAT: the same tiles against float activations xf [R, K] (exact weight-only
- * quantization): each chunk's codes widened to float per element position, one FMA with the
- * broadcast activation per 16 outputs; a group's sum scaled by d, plus m * sum(x). */
-static inline __attribute__((always_inline)) void
-microf(const uint8_t *w, const int bits, int nb, int t0, const int NT, const float *xf,
-       const float *xs, int K, size_t r0, const int MR, float *y, int N, int accumulate) {
-    const int CB = code_bytes(bits), GB = group_bytes(bits);
-    const size_t tstride = (size_t)nb * GB;
-    const __m512i mask = _mm512_set1_epi32(bits == 4 ? 0x0F : 0xFF);
-    __m512 facc[MR][NT];
-    for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NT; j++) facc[i][j] = _mm512_setzero_ps();
-    const uint8_t *g0 = w + (size_t)t0 * tstride;
-    for (int b = 0; b < nb; b++) {
-        __m512 gacc[MR][NT];
-        for (int i = 0; i < MR; i++)
-            for (int j = 0; j < NT; j++) gacc[i][j] = _mm512_setzero_ps();
-        const uint8_t *g = g0 + (size_t)b * GB;
-        for (int c = 0; c < CB / 64; c++) {
-            __m512i raw[NT];
-            for (int j = 0; j < NT; j++) raw[j] = _mm512_loadu_si512(g + j * tstride + 64 * c);
-            for (int t = 0; t < (bits == 4 ? 8 : 4); t++) {
-                int shift = bits == 4 ? (t % 4) * 8 + (t / 4) * 4 : 8 * t;
-                int k = bits == 4 ? 4 * c + t % 4 + 16 * (t / 4) : 4 * c + t;
-                __m512 wf[NT];
-                for (int j = 0; j < NT; j++)
-                    wf[j] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(raw[j], shift), mask));
-                for (int i = 0; i < MR; i++) {
-                    __m512 xv = _mm512_set1_ps(xf[(r0 + i) * K + b * 32 + k]);
-                    for (int j = 0; j < NT; j++) gacc[i][j] = _mm512_fmadd_ps(wf[j], xv, gacc[i][j]);
-                }
-            }
-        }
-        for (int j = 0; j < NT; j++) {
-            const uint8_t *s = g + j * tstride + CB;
-            __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
-            __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 32)));
-            for (int i = 0; i < MR; i++) {
-                facc[i][j] = _mm512_fmadd_ps(gacc[i][j], dv, facc[i][j]);
-                facc[i][j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[(r0 + i) * nb + b]), facc[i][j]);
-            }
-        }
-    }
-    for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NT; j++) store_tile(y, r0 + i, N, (t0 + j) * 16, facc[i][j], accumulate);
-}
-
-#define MICROF(NT)                                                                          \
-    switch (mr) {                                                                           \
-    case 1: microf(w, bits, nb, t, NT, xf, as, K, r, 1, y, N, acc); break;                  \
-    case 2: microf(w, bits, nb, t, NT, xf, as, K, r, 2, y, N, acc); break;                  \
-    case 3: microf(w, bits, nb, t, NT, xf, as, K, r, 3, y, N, acc); break;                  \
-    default: microf(w, bits, nb, t, NT, xf, as, K, r, 4, y, N, acc); break;                 \
-    }
-
-static void tiles_native_f(const uint8_t *w, int bits, int K, int t0, int t1, const float *xf,
-                           const float *as, int R, float *y, int N, int acc) {
-    int nb = K / 32, wide = R <= 2 ? 4 : QG_WIDE;
-    for (int t = t0; t < t1;) {
-        int nt = t1 - t >= wide ? wide : 1;
-        for (int r = 0; r < R; r += 4) {
-            int mr = R - r < 4 ? R - r : 4;
-            if (nt == 4) {
-                MICROF(4)
-            } else if (nt == 2) {
-                MICROF(2)
-            } else {
-                MICROF(1)
-            }
-        }
-        t += nt;
-    }
-}
-
 /* Tiles [t0, t1) for all R rows: blocks of up to 4 tiles (2 where rows are blocked by 3-4)
  * stay in L1 across the row blocks. */
 static void tiles_native(const uint8_t *w, int bits, int K, int t0, int t1, const int8_t *qa,
@@ -351,25 +267,17 @@ static inline float scale_at(const uint8_t *g, int bits, int which, int r) {
 #if !QG_NATIVE && !QG_AVX2
 /* Tiles [t0, t1) for all R rows, one output at a time: the same values, any CPU. */
 static void tiles_portable(const uint8_t *w, int bits, int K, int t0, int t1, const int8_t *qa,
-                           const float *xf, const float *ad, const float *as, int R, float *y,
-                           int N, int acc) {
+                           const float *ad, const float *as, int R, float *y, int N, int acc) {
     int nb = K / 32, GB = group_bytes(bits);
     for (int n = t0 * 16; n < t1 * 16 && n < N; n++)
         for (int r = 0; r < R; r++) {
             float t = 0.0f;
             for (int b = 0; b < nb; b++) {
                 const uint8_t *g = w + ((size_t)(n / 16) * nb + b) * GB;
-                if (xf) { /* IN_FLOAT */
-                    float dot = 0.0f;
-                    for (int k = 0; k < 32; k++)
-                        dot += (float)code_at(g, bits, n % 16, k) * xf[(size_t)r * K + b * 32 + k];
-                    t += dot * scale_at(g, bits, 0, n % 16);
-                } else {
-                    const int8_t *a = qa + (size_t)r * K + b * 32;
-                    int dot = 0;
-                    for (int k = 0; k < 32; k++) dot += code_at(g, bits, n % 16, k) * a[k];
-                    t += (float)dot * (scale_at(g, bits, 0, n % 16) * ad[(size_t)r * nb + b]);
-                }
+                const int8_t *a = qa + (size_t)r * K + b * 32;
+                int dot = 0;
+                for (int k = 0; k < 32; k++) dot += code_at(g, bits, n % 16, k) * a[k];
+                t += (float)dot * (scale_at(g, bits, 0, n % 16) * ad[(size_t)r * nb + b]);
                 t += scale_at(g, bits, 1, n % 16) * as[(size_t)r * nb + b];
             }
             float *out = y + (size_t)r * N + n;
@@ -383,13 +291,12 @@ static void tiles_portable(const uint8_t *w, int bits, int K, int t0, int t1, co
  * be a multiple of 32. */
 void qgemm(const float *x, int M, int K, int x_stride, int mode, const float *norm_w, float eps,
            const uint8_t *w, int bits, int N, float *y, int accumulate) {
-    int flt = mode & IN_FLOAT, nb = K / 32, rep = !flt && mode & IN_PRECISE ? 2 : 1;
+    int nb = K / 32, rep = mode & IN_PRECISE ? 2 : 1;
     int R = M * rep; /* R quantized rows */
     /* rows padded with zeros to a multiple of 16 (whole AMX tiles; never stored) */
     size_t pad_rows = (size_t)(R + 15) / 16 * 16;
     int8_t *qa = aligned_alloc(64, (pad_rows * K + 63) / 64 * 64);
     memset(qa + (size_t)R * K, 0, (pad_rows - R) * K);
-    float *xf = flt ? malloc(sizeof(float) * (size_t)M * K) : NULL; /* IN_FLOAT rows */
     float *ad = malloc(sizeof(float) * (size_t)R * nb * 2), *as = ad + (size_t)R * nb;
     int32_t *qs = malloc(sizeof(int32_t) * (size_t)R * nb); /* each group's sum of codes */
     float *yt = rep == 1 ? y : malloc(sizeof(float) * (size_t)R * N);
@@ -399,8 +306,7 @@ void qgemm(const float *x, int M, int K, int x_stride, int mode, const float *no
         float *tmp = malloc(sizeof(float) * K);
 #pragma omp for schedule(static)
         for (int r = 0; r < M; r++)
-            quantize_row(x + (size_t)r * x_stride, K, mode, norm_w, eps, flt ? xf + (size_t)r * K : tmp,
-                         qa + (size_t)r * rep * K, ad + (size_t)r * rep * nb,
+            quantize_row(x + (size_t)r * x_stride, K, mode, norm_w, eps, tmp, qa + (size_t)r * rep * K, ad + (size_t)r * rep * nb,
                          as + (size_t)r * rep * nb, qs + (size_t)r * rep * nb);
         free(tmp);
         /* An even split of the tiles in pairs (4-tile blocks then fall on both sides). */
@@ -413,18 +319,16 @@ void qgemm(const float *x, int M, int K, int x_stride, int mode, const float *no
         t1 = t1 < ntiles ? t1 : ntiles;
         if (t0 < t1) {
 #if QG_NATIVE
-            if (flt)
-                tiles_native_f(w, bits, K, t0, t1, xf, as, R, yt, N, add);
 #if QG_AMX
-            else if (R >= amx_rows && qg_amx_ready())
+            if (R >= amx_rows && qg_amx_ready())
                 tiles_amx(w, bits, K, t0, t1, qa, ad, as, R, yt, N, add);
-#endif
             else
+#endif
                 tiles_native(w, bits, K, t0, t1, qa, ad, as, R, yt, N, add);
 #elif QG_AVX2
-            tiles_avx2(w, bits, K, t0, t1, qa, flt ? xf : NULL, ad, as, qs, R, yt, N, add);
+            tiles_avx2(w, bits, K, t0, t1, qa, ad, as, qs, R, yt, N, add);
 #else
-            tiles_portable(w, bits, K, t0, t1, qa, xf, ad, as, R, yt, N, add);
+            tiles_portable(w, bits, K, t0, t1, qa, ad, as, R, yt, N, add);
 #endif
         }
     }
@@ -439,7 +343,6 @@ void qgemm(const float *x, int M, int K, int x_stride, int mode, const float *no
     free(qa);
     free(ad);
     free(qs);
-    free(xf);
 }
 
 static inline float bf16_float(uint16_t h) {

@@ -21,7 +21,6 @@ from slimkv.kernels import build
 SOURCE = Path(__file__).with_name("qgemm.c")
 PLAIN, RMSNORM, SILU_MUL = 0, 1, 2  # what the kernel does to x on the way in
 PRECISE = 4  # OR'ed into a mode: the int8 rounding residual is a second int8 row (~15 bits)
-FLOAT = 8  # OR'ed into a mode: float activations (exact weight-only quantization), no int8
 
 
 TILE = 16  # output rows per tile of the repacked layout
@@ -64,27 +63,16 @@ class QGemm:
     :meth:`__call__`."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.qgemm
-        i32, ptr = ctypes.c_int, ctypes.c_void_p
-        self._fn.argtypes = [ptr, i32, i32, i32, i32, ptr, ctypes.c_float, ptr, i32, i32, ptr,
-                             i32]
-        self._fn.restype = None
+        i32, ptr, f32, sig = ctypes.c_int, ctypes.c_void_p, ctypes.c_float, build.signature
+        self._fn = sig(lib.qgemm, [ptr, i32, i32, i32, i32, ptr, f32, ptr, i32, i32, ptr, i32])
         self.native = bool(lib.qgemm_native())
-        self._dequant = lib.qdequant
-        self._dequant.argtypes = [ptr, i32, i32, i32, ptr, i32]
-        self._dequant.restype = None
-        self._rope = {torch.float32: lib.rope_inplace, torch.bfloat16: lib.rope_bf16}
-        for fn in self._rope.values():
-            fn.argtypes = [ptr, i32, i32, i32, i32, ptr, ptr]
-            fn.restype = None
-        self._add = lib.add_bf16
-        self._add.argtypes = [ptr, ptr, ctypes.c_size_t]
-        self._add.restype = None
-        self._prep = lib.prep_rows
-        self._prep.argtypes = [ptr, i32, i32, i32, i32, i32, ptr, ctypes.c_float, ptr, i32]
-        self._prep.restype = None
-        self.amx_rows = lib.qgemm_amx_rows  # (rows) -> previous: where AMX int8 tiles start
-        self.amx_rows.argtypes = [i32]
+        self._dequant = sig(lib.qdequant, [ptr, i32, i32, i32, ptr, i32])
+        self._rope = {dtype: sig(fn, [ptr, i32, i32, i32, i32, ptr, ptr]) for dtype, fn in
+                      ((torch.float32, lib.rope_inplace), (torch.bfloat16, lib.rope_bf16))}
+        self._add = sig(lib.add_bf16, [ptr, ptr, ctypes.c_size_t])
+        self._prep = sig(lib.prep_rows, [ptr, i32, i32, i32, i32, i32, ptr, f32, ptr, i32])
+        # (rows) -> the previous value: from how many rows the AMX int8 tiles take over
+        self.amx_rows = sig(lib.qgemm_amx_rows, [i32], ctypes.c_int)
 
     def __call__(self, x: Tensor, packed: Tensor, n: int, *, mode: int = PLAIN,
                  norm_weight: Tensor | None = None, eps: float = 0.0,

@@ -8,8 +8,7 @@
  *   group's 8 products (32 elements) add up in int16 (at most 30,480) before one vpmaddwd;
  * - 8 bits: codes 0..255 would saturate, so each code q is taken as q - 128 (a sign flip of
  *   the top bit), multiplied as |q - 128| x sign-adjusted a (at most 2 x 128 x 127 =
- *   32,512 per pair), and the group's sum gets 128 * sum(a) back: the same integer.
- * IN_FLOAT widens the codes to float and multiplies with FMA, as microf does. */
+ *   32,512 per pair), and the group's sum gets 128 * sum(a) back: the same integer. */
 
 static inline __m256i bcast4_256(const int8_t *a) {
     int32_t v;
@@ -117,53 +116,6 @@ micro2(const uint8_t *w, const int bits, int nb, int t0, const int NH, const int
             store_half(y, r0 + i, N, t0 * 16 + 8 * j, facc[i][j], accumulate);
 }
 
-/* IN_FLOAT on AVX2: microf's loop over half tiles. */
-static inline __attribute__((always_inline)) void
-microf2(const uint8_t *w, const int bits, int nb, int t0, const int NH, const float *xf,
-        const float *xs, int K, size_t r0, const int MR, float *y, int N, int accumulate) {
-    const int CB = code_bytes(bits), GB = group_bytes(bits);
-    const size_t tstride = (size_t)nb * GB;
-    const __m256i mask = _mm256_set1_epi32(bits == 4 ? 0x0F : 0xFF);
-    __m256 facc[4][4]; /* fixed sizes (MR, NH <= 4): a VLA stays on the stack */
-    for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NH; j++) facc[i][j] = _mm256_setzero_ps();
-    const uint8_t *g0 = w + (size_t)t0 * tstride;
-    for (int b = 0; b < nb; b++) {
-        __m256 gacc[4][4];
-        for (int i = 0; i < MR; i++)
-            for (int j = 0; j < NH; j++) gacc[i][j] = _mm256_setzero_ps();
-        const uint8_t *g = g0 + (size_t)b * GB;
-        for (int c = 0; c < CB / 64; c++) {
-            __m256i raw[4];
-            for (int j = 0; j < NH; j++)
-                raw[j] = _mm256_loadu_si256((const __m256i *)(half_at(g, tstride, j) + 64 * c));
-            for (int t = 0; t < (bits == 4 ? 8 : 4); t++) {
-                int shift = bits == 4 ? (t % 4) * 8 + (t / 4) * 4 : 8 * t;
-                int k = bits == 4 ? 4 * c + t % 4 + 16 * (t / 4) : 4 * c + t;
-                __m256 wf[4];
-                for (int j = 0; j < NH; j++)
-                    wf[j] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw[j], shift), mask));
-                for (int i = 0; i < MR; i++) {
-                    __m256 xv = _mm256_set1_ps(xf[(r0 + i) * K + b * 32 + k]);
-                    for (int j = 0; j < NH; j++) gacc[i][j] = _mm256_fmadd_ps(wf[j], xv, gacc[i][j]);
-                }
-            }
-        }
-        for (int j = 0; j < NH; j++) {
-            const uint8_t *s = g + (size_t)(j / 2) * tstride + CB;
-            __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 16 * (j % 2))));
-            __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 32 + 16 * (j % 2))));
-            for (int i = 0; i < MR; i++) {
-                facc[i][j] = _mm256_fmadd_ps(gacc[i][j], dv, facc[i][j]);
-                facc[i][j] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[(r0 + i) * nb + b]), facc[i][j]);
-            }
-        }
-    }
-    for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NH; j++)
-            store_half(y, r0 + i, N, t0 * 16 + 8 * j, facc[i][j], accumulate);
-}
-
 #define MICRO2(F, NH, ...)                                  \
     switch (mr) {                                           \
     case 1: F(__VA_ARGS__, r, 1, y, N, acc); break;         \
@@ -173,7 +125,7 @@ microf2(const uint8_t *w, const int bits, int nb, int t0, const int NH, const fl
     }
 
 /* Tiles [t0, t1) for all R rows: blocks of 2 tiles (4 half tiles) for one or two rows, 1
- * tile for more (16 ymm registers), rows 4 at a time. xf: IN_FLOAT rows, else NULL. */
+ * tile for more (16 ymm registers), rows 4 at a time. */
 #ifndef QG2_WIDE
 #define QG2_WIDE 1 /* tiles per block where rows are blocked by 3 or more */
 #endif
@@ -181,18 +133,14 @@ microf2(const uint8_t *w, const int bits, int nb, int t0, const int NH, const fl
 #define QG2_MR 4 /* rows per block (at most 4) */
 #endif
 static void tiles_avx2(const uint8_t *w, int bits, int K, int t0, int t1, const int8_t *qa,
-                       const float *xf, const float *ad, const float *as, const int32_t *qsum,
-                       int R, float *y, int N, int acc) {
+                       const float *ad, const float *as, const int32_t *qsum, int R, float *y,
+                       int N, int acc) {
     int nb = K / 32, wide = R <= 2 ? 2 : QG2_WIDE;
     for (int t = t0; t < t1;) {
         int nt = t1 - t >= wide ? wide : 1;
         for (int r = 0; r < R; r += QG2_MR) {
             int mr = R - r < QG2_MR ? R - r : QG2_MR;
-            if (xf && nt == 2) {
-                MICRO2(microf2, 4, w, bits, nb, t, 4, xf, as, K)
-            } else if (xf) {
-                MICRO2(microf2, 2, w, bits, nb, t, 2, xf, as, K)
-            } else if (nt == 2) {
+            if (nt == 2) {
                 MICRO2(micro2, 4, w, bits, nb, t, 4, qa, ad, as, qsum, K)
             } else {
                 MICRO2(micro2, 2, w, bits, nb, t, 2, qa, ad, as, qsum, K)

@@ -18,11 +18,10 @@ KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 class StageKernel:
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.stage_decode
         i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-        self._fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i32, i32, i32, i32, i32, ptr, ptr,
-                             ptr, i32, i32, ptr, ptr]
-        self._fn.restype = None
+        self._fn = build.signature(lib.stage_decode, [ptr, i64, ptr, i64, ptr, i64, i32, i32,
+                                                       i32, i32, i32, ptr, ptr, ptr, i32, i32,
+                                                       ptr, ptr])
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, q_dtype: torch.dtype,
                  stage_k: Tensor, stage_v: Tensor, slots: Tensor, offsets: Tensor,

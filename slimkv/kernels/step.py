@@ -62,8 +62,7 @@ def _functions() -> tuple[dict[str, int], Any] | None:
     q, st, dec, lib = libs
     fns = dict(qgemm=q.qgemm, rope=q.rope_inplace, stage=st.stage_decode, decode=dec.paged_decode,
                round_to=st.round_rows, dequant=q.qdequant)
-    call = lib.decode_step
-    call.argtypes, call.restype = [ptr, ptr, ctypes.c_int, ptr], None
+    call = build.signature(lib.decode_step, [ptr, ptr, ctypes.c_int, ptr])
     return {name: ctypes.cast(fn, ptr).value for name, fn in fns.items()}, call
 
 

@@ -21,10 +21,8 @@ SOURCE = Path(__file__).with_name("tile_gemm.c")
 
 class TileGemm:
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.tile_gemm
         i32, ptr = ctypes.c_int, ctypes.c_void_p
-        self._fn.argtypes = [ptr, i32, i32, ptr, i32, i32, ptr, ptr]
-        self._fn.restype = None
+        self._fn = build.signature(lib.tile_gemm, [ptr, i32, i32, ptr, i32, i32, ptr, ptr])
         self.ready = bool(lib.tile_gemm_ready())
 
     def __call__(self, a: Tensor, packed: Tensor, n: int, out: Tensor | None = None) -> Tensor:

@@ -39,24 +39,26 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device,
                weights: str = "float") -> tuple[ModelArgs, Transformer, Tokenizer]:
     """Load weights (in the class ``weights``, see :mod:`slimkv.model.weights`) and
     tokenizer; results are cached, so callers must not mutate the model."""
-    path = default_model_path() if path is None else path
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"model path not found: {path}")
-    return _load_cached(os.path.realpath(path), dtype, torch.device(device), weights)
+    return _load_cached(_model_path(path), dtype, torch.device(device), weights)
 
 
 def load_tokenizer(path: str | None) -> Tokenizer:
     """The model's tokenizer without its weights (a cluster's ingress tokenizes to route)."""
-    path = default_model_path() if path is None else path
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"model path not found: {path}")
-    return _load_tokenizer(os.path.realpath(path))
+    return _load_tokenizer(_model_path(path))
 
 
 def read_model_args(path: str | None) -> ModelArgs:
     """The model's shapes from its metadata alone, without loading the weights."""
-    path = default_model_path() if path is None else path
+    path = _model_path(path)
     return (_read_hf_dir(path) if os.path.isdir(path) else _read_gguf(path, True))[0]
+
+
+def _model_path(path: str | None) -> str:
+    """The real path of ``path`` (None: the default model), which must exist."""
+    path = default_model_path() if path is None else path
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path not found: {path}")
+    return os.path.realpath(path)
 
 
 @functools.lru_cache(maxsize=4)

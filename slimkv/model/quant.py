@@ -123,9 +123,10 @@ class QuantLinear(nn.Module):
     # PRECISE activations (int8 + int8 residual) in the kernel: perplexity +0.002% instead of
     # +0.6% vs float activations. Repacked kernel, one step's matmuls at 1 / 8 / 16 rows
     # (under the lock, not fully quiet): int8 5.0-5.7 / 12-14 / 18-22 ms, PRECISE 6.2-6.5 /
-    # 22-25 / 36-44 ms, float activations (FLOAT, exact) 9.1-9.7 / 35-38 / 58-67 ms; engine
-    # single stream 9.9-10.6 vs 10.2 ms/step, parallel8 20.8 vs 30.9 ms/step: off by default
-    # (it costs batched throughput), the accuracy/speed trade is the caller's.
+    # 22-25 / 36-44 ms, float activations (exact; a FLOAT mode, removed as slower everywhere)
+    # 9.1-9.7 / 35-38 / 58-67 ms; engine single stream 9.9-10.6 vs 10.2 ms/step, parallel8
+    # 20.8 vs 30.9 ms/step: off by default (it costs batched throughput), the accuracy/speed
+    # trade is the caller's.
     precise = False
 
     def __init__(self, weight: QuantTensor, dtype: torch.dtype, bias: Tensor | None = None) -> None:

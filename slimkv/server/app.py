@@ -15,12 +15,13 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 
-from slimkv.config import Config, ServerConfig
+from slimkv.config import Config
 from slimkv.plugins import build_engine
 from slimkv.server.async_engine import AsyncEngine, GenerateRequest
 from slimkv.server.backend import REPLICA_HEADER, Backend
 from slimkv.server.canary import Canary
 from slimkv.server.body import read_body
+from slimkv.server.config import ServerConfig
 from slimkv.server.dashboard import install_dashboard
 from slimkv.server.errors import APIError, install_error_handlers
 from slimkv.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -58,6 +59,7 @@ def create_app(engine: Backend, server: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="slimkv", lifespan=lifespan)
     app.state.model_name = model_name
+    app.state.backend = engine   # what `slimkv serve` drains on SIGTERM
     install_error_handlers(app)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(server.api_key))])
 

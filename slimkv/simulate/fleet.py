@@ -16,8 +16,8 @@ import sys
 import time
 from typing import Any
 
+from slimkv.cluster.config import ClusterConfig
 from slimkv.cluster.policy import Balance, PrefixIndex, ReplicaLoad, RouteKeys, route
-from slimkv.config import ClusterConfig
 from slimkv.engine.sampling_params import SamplingParams
 from slimkv.simulate.card import Card
 from slimkv.simulate.run import percentiles
