@@ -21,6 +21,7 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config (default: the embedded default)")
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, help="override kv_cache.dtype")
     parser.add_argument("--model", dest="model_path", help="override model.path (GGUF or HF dir)")
+    parser.add_argument("--device", help="override model.device (auto, cpu, cuda, cuda:N)")
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -30,6 +31,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
                                 layer_dtypes=None)
     if getattr(args, "model_path", None):
         config = config.replace("model", path=args.model_path)
+    if getattr(args, "device", None):
+        config = config.replace("model", device=args.device)
     return config
 
 

@@ -30,7 +30,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("plan", help="sessions that fit per KV dtype for a model config")
     p.add_argument("--model", required=True, help="config.json, model directory or built-in name")
-    p.add_argument("--memory", required=True, help="device memory for the engine, e.g. 80GiB")
+    p.add_argument("--memory", required=True,
+                   help="device memory for the engine, e.g. 80GiB; 'device': this CUDA device's "
+                        "share kv_cache.memory_fraction of its memory, less what is in use")
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--sessions", type=int, default=48, help="for 'context that fits at C sessions'")
     p.add_argument("--weight-dtype", default="bf16")
@@ -70,6 +72,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     for key in ("weights", "kv_allocated", "kv_in_use", "kv_staging", "activations",
                 "activations_startup", "other"):
         print(f"  {key:<20} {m[key] / MiB:>10.1f} MiB")
+    if "device_total" in m:
+        print(f"  device: {m['device_free'] / MiB:.0f} MiB free of {m['device_total'] / MiB:.0f}")
     print(f"  KV blocks: {m['kv_blocks_in_use']} in use of {m['kv_blocks']} x "
           f"{m['kv_bytes_per_block']} B\n  measured by: {m['method']}\n{advice}")
     return 0
@@ -78,7 +82,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from slimkv.planner import format_plan, parse_bytes, plan
 
-    result = plan(args.model, parse_bytes(args.memory), context=args.context,
+    memory = device_memory() if args.memory == "device" else parse_bytes(args.memory)
+    result = plan(args.model, memory, context=args.context,
                   sessions=args.sessions, weight_dtype=args.weight_dtype,
                   block_size=args.block_size, batch_tokens=args.batch_tokens)
     if args.json:
@@ -86,6 +91,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(format_plan(result, args.kv_dtype))
     return 0
+
+
+def device_memory() -> int:
+    """What an engine on the CUDA device may use before its weights: ``kv_budget`` with the
+    default ``memory_fraction`` and no activations (the plan reserves those itself)."""
+    from slimkv.config import KVCacheConfig
+    from slimkv.engine.memory import kv_budget
+
+    if not torch.cuda.is_available():
+        raise ValueError("--memory device reads a CUDA device's memory; none is available "
+                         "here: give a size such as 80GiB")
+    return kv_budget(*torch.cuda.mem_get_info(), KVCacheConfig().memory_fraction, 0)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -122,7 +139,10 @@ def run_workload(engine: LLMEngine, sessions: int, context: int, new_tokens: int
     if cuda:
         activations = torch.cuda.max_memory_allocated(runner.device) - before
         other = torch.cuda.max_memory_reserved(runner.device) - torch.cuda.max_memory_allocated(runner.device)
-        method = "CUDA caching allocator statistics (max_memory_allocated / max_memory_reserved)"
+        free, total = torch.cuda.mem_get_info(runner.device)
+        method = ("CUDA: caching allocator statistics (activations = max_memory_allocated "
+                  "during the steps above what was allocated before; other = "
+                  "max_memory_reserved - max_memory_allocated); device = mem_get_info")
     else:
         activations = tracker.peak
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -137,7 +157,8 @@ def run_workload(engine: LLMEngine, sessions: int, context: int, new_tokens: int
             "kv_in_use": peak_blocks * runner.cache.bytes_per_block, "kv_blocks": engine.pool.num_blocks,
             "kv_blocks_in_use": peak_blocks, "kv_bytes_per_block": runner.cache.bytes_per_block,
             "activations": activations, "activations_startup": split["activations"],
-            "other": other, "method": method}
+            "other": other, "method": method,
+            **({"device_free": free, "device_total": total} if cuda else {})}
 
 
 def recommend(engine: LLMEngine, m: dict[str, Any], sessions: int, context: int) -> tuple[float, str]:

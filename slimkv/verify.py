@@ -3,8 +3,8 @@
 For each KV dtype, an engine (``strict: false``, so a fallback is reported rather than
 refused) serves a few prompts through prefill and batched decode. Every attention call is
 checked against :func:`reference_paged_attention` over the same pool state, and per layer
-we record the paths taken (``fast_prefill``, and ``fused_decode`` or ``fast_decode`` = the
-quantized fast path; ``reference`` = the fallback). A dtype fails on any fallback, any pool tensor whose storage
+we record the paths taken (``fast_prefill``, and ``fused_decode`` or ``fast_decode`` on the
+CPU, ``triton_decode`` on CUDA = the quantized fast path; ``reference`` = the fallback). A dtype fails on any fallback, any pool tensor whose storage
 dtype is not the configured format's (a silent float fallback), or any mismatch.
 """
 
@@ -24,7 +24,9 @@ from slimkv.stats import cdiv
 
 ALL_KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2", "int4")
 PREFILL_PATHS = ("fast_prefill",)
-DECODE_PATHS = ("fused_decode", "fast_decode")  # the native kernel, or gather + SDPA
+# The native C kernel, or gather + SDPA (CPU); on CUDA only the Triton kernel counts: the
+# gathered path there is the float copy of the whole prefix the kernel exists to avoid.
+DECODE_PATHS = {"cpu": ("fused_decode", "fast_decode"), "cuda": ("triton_decode",)}
 # Fast and reference paths read the same quantized values; only float rounding differs.
 _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
@@ -69,8 +71,9 @@ def verify_dtype(config: Config, kv_dtype: str, prompt_len: int = 40, new_tokens
                "match": checked.errors[layer] <= tolerance}
               for layer, counts in sorted(checked.attention.layer_path_counts.items())]
     pool = _pool_report(engine)
-    ran_fast = all(any(layer["paths"].get(p) for layer in layers for p in paths)
-                   for paths in (PREFILL_PATHS, DECODE_PATHS))
+    decode_paths = DECODE_PATHS.get(engine.runner.device.type, DECODE_PATHS["cpu"])
+    ran_fast = all(any(layer["paths"].get(p) for p in paths) for layer in layers
+                   for paths in (PREFILL_PATHS, decode_paths))
     ok = (ran_fast and checked.attention.fallback_reason is None
           and all(t["format_ok"] for t in pool)
           and all(layer["match"] and not layer["fallback"] for layer in layers))

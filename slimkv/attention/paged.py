@@ -155,6 +155,14 @@ class PagedAttention:
             return "the fused decode kernel lacks this KV format"
         return kernel_unavailable_reason()
 
+    @property
+    def decode_path(self) -> str:
+        """The path decodes take: ``fused_decode`` (the native kernel), ``fast_decode``
+        (gather + SDPA) or ``reference`` (the fallback)."""
+        if self.fallback_reason is not None:
+            return "reference"
+        return "fused_decode" if self.kernel_unavailable is None else "fast_decode"
+
     def _count(self, layer: int, path: str) -> None:
         self.path_counts[path] += 1
         self.layer_path_counts[layer][path] += 1

@@ -25,16 +25,27 @@ def measure_prefill(engine: LLMEngine, length: int) -> float:
     return length / (time.perf_counter() - start)
 
 
-def measure_decode(engine: LLMEngine, batch: int, context: int, new_tokens: int) -> float:
-    """Generated tokens per second, all ``batch`` sequences decoding together at ``context``."""
+def measure_decode(engine: LLMEngine, batch: int, context: int,
+                   new_tokens: int) -> tuple[float, int | None]:
+    """Generated tokens per second, all ``batch`` sequences decoding together at ``context``,
+    and on CUDA the decode steps' peak allocated bytes beyond what was allocated before
+    them (the pool, weights and staging: the steps' activations and workspace)."""
     params = SamplingParams(max_tokens=new_tokens + 1, temperature=0, ignore_eos=True)
     seqs = [engine.add_request(random_prompt(context, engine.model_args.vocab_size, seed=i), params)
             for i in range(batch)]
     while any(s.num_output_tokens == 0 for s in seqs):   # prefill everyone first
         engine.step()
+    device = engine.runner.device
+    if device.type == "cuda":   # the steps' own peak, above the pool, weights and staging
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
     start = time.perf_counter()
     run_until_done(engine)
-    return batch * new_tokens / (time.perf_counter() - start)
+    rate = batch * new_tokens / (time.perf_counter() - start)
+    if device.type == "cuda":
+        return rate, torch.cuda.max_memory_allocated(device) - before
+    return rate, None
 
 
 def bench_engine(config: Config, kv_dtypes: list[str], prompt_lens: list[int],
@@ -45,13 +56,17 @@ def bench_engine(config: Config, kv_dtypes: list[str], prompt_lens: list[int],
                              layer_dtypes=None, enable_prefix_caching=False, watermark=1.0,
                              max_concurrency_soft=max(batches))
         engine = build_engine(cfg)
-        row: dict[str, Any] = {"bytes_per_token": engine.stats().bytes_per_token}
+        row: dict[str, Any] = {"bytes_per_token": engine.stats().bytes_per_token,
+                               "memory": engine.memory_split(),
+                               "decode_path": engine.runner.attention.decode_path}
         measure_prefill(engine, 16)  # warm-up
         for length in prompt_lens:
             row[f"prefill_{length}_tok_s"] = round(measure_prefill(engine, length), 1)
         for batch in batches:
-            row[f"decode_b{batch}_ctx{context}_tok_s"] = round(
-                measure_decode(engine, batch, context, new_tokens), 1)
+            rate, peak = measure_decode(engine, batch, context, new_tokens)
+            row[f"decode_b{batch}_ctx{context}_tok_s"] = round(rate, 1)
+            if peak is not None:
+                row[f"decode_b{batch}_ctx{context}_peak_step_bytes"] = peak
         print(f"{dtype:>9}: " + ", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
         results[dtype] = row
     return {"machine": machine_info(), "config": {
@@ -73,7 +88,9 @@ def machine_info() -> dict[str, Any]:
         cpu, flags = info.get("model name", cpu), set(info.get("flags", "").split())
     except OSError:
         pass
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {"cpu": cpu, "isa": sorted(flags & ISA), "torch_threads": torch.get_num_threads(),
+            "gpu": gpu,
             "torch": torch.__version__,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 

@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from slimkv.attention.paged import AttentionMetadata, PagedAttention
+from slimkv.config import ConfigError
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.layers import LayerDtypes, layer_dtype_names
 from slimkv.kv.staging import Staging
@@ -129,3 +130,21 @@ def weight_bytes(model: torch.nn.Module) -> int:
     storages = {_key(t): t.untyped_storage().nbytes()
                 for t in [*model.parameters(), *model.buffers()]}
     return sum(storages.values())
+
+
+def kv_budget(free: int, total: int, fraction: float, activation_bytes: int) -> int:
+    """Bytes left for the KV pool when the engine may use ``fraction`` of a device of
+    ``total`` bytes, ``total - free`` of which are already used (the loaded weights, the
+    CUDA context, other processes), and a step needs ``activation_bytes`` on top (vLLM's
+    ``gpu_memory_utilization``)."""
+    return int(fraction * total) - (total - free) - activation_bytes
+
+
+def device_kv_budget(device: torch.device, fraction: float, activation_bytes: int) -> int:
+    """:func:`kv_budget` from the device's free and total memory (CUDA only)."""
+    if device.type != "cuda":
+        raise ConfigError(f"kv_cache.memory_gb: unset (null) sizes the pool from free device "
+                          f"memory, which needs a CUDA device; on {device} set memory_gb or "
+                          "num_blocks")
+    free, total = torch.cuda.mem_get_info(device)
+    return kv_budget(free, total, fraction, activation_bytes)

@@ -19,7 +19,7 @@ from slimkv.kernels.qgemm import qgemm_native, qgemm_unavailable_reason
 from slimkv.kernels.step import LeanStep
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
-from slimkv.engine.memory import activation_peak, weight_bytes
+from slimkv.engine.memory import activation_peak, device_kv_budget, weight_bytes
 from slimkv.model import load_model
 from slimkv.model.lean import set_activations
 from slimkv.engine.sampling import LogitsProcessor, SampledToken, Sampler
@@ -112,6 +112,12 @@ class ModelRunner:
                                 kv.layer_dtypes)
         # One staging slot per running sequence, plus one for score().
         self.num_staging_slots = kv.max_concurrency_soft + 1 if staged else 0
+        self.activation_bytes = activation_peak(
+            args, self.dtype, self.device, k_dtype=self.k_dtype, v_dtype=self.v_dtype,
+            k_scale=kv.k_scale, block_size=kv.block_size,
+            num_tokens=config.scheduler.max_num_batched_tokens,
+            num_logit_rows=kv.max_concurrency_soft, max_len=self.max_model_len,
+            layer_dtypes=kv.layer_dtypes)
         self.cache = PagedKVCache(num_blocks=self._num_blocks(shape), block_size=kv.block_size,
                                   device=self.device, **shape)
         self.staging = Staging(self.cache, self.num_staging_slots, self.dtype) if staged else None
@@ -122,26 +128,24 @@ class ModelRunner:
                 f"kv_cache.strict: the {self.k_dtype}/{self.v_dtype} KV cache cannot run its "
                 f"quantized attention path on {self.device}: {self.attention.fallback_reason} "
                 "(set kv_cache.strict: false to serve on the reference path anyway)")
-        self.activation_bytes = activation_peak(
-            args, self.dtype, self.device, k_dtype=self.k_dtype, v_dtype=self.v_dtype,
-            k_scale=kv.k_scale, block_size=kv.block_size,
-            num_tokens=config.scheduler.max_num_batched_tokens,
-            num_logit_rows=kv.max_concurrency_soft, max_len=self.max_model_len,
-            layer_dtypes=kv.layer_dtypes)
         self.sampler = Sampler(processors(self) if processors else [])
         self.lean_step = LeanStep(self.model, self.attention)  # a decode step in one C call
 
     def _num_blocks(self, shape: dict) -> int:
-        """``kv_cache.num_blocks``, or what ``memory_gb`` holds once staging is set aside."""
+        """``kv_cache.num_blocks``, or what ``memory_gb`` (unset on CUDA: the share
+        ``memory_fraction`` of the device leaves) holds once staging is set aside."""
         kv = self.config.kv_cache
         if kv.num_blocks:
             return kv.num_blocks
         staging = Staging.bytes(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"],
                                 kv.block_size, self.num_staging_slots, self.dtype)
-        num_blocks = PagedKVCache.num_blocks_for_budget(int(kv.memory_gb * GiB), staging, **shape,
+        budget = (int(kv.memory_gb * GiB) if kv.memory_gb is not None else
+                  device_kv_budget(self.device, kv.memory_fraction, self.activation_bytes))
+        num_blocks = PagedKVCache.num_blocks_for_budget(budget, staging, **shape,
                                                         block_size=kv.block_size)
         if num_blocks < 1:
-            raise ValueError(f"kv_cache.memory_gb={kv.memory_gb} holds no {kv.block_size}-token block")
+            raise ValueError(f"kv_cache.memory_gb={kv.memory_gb} (a budget of {budget} bytes) "
+                             f"holds no {kv.block_size}-token block")
         return num_blocks
 
     def memory_split(self) -> dict[str, int]:

@@ -4,7 +4,7 @@ Everything here runs on the engine thread: :class:`CacheHistory` is a step hook 
 :class:`~slimkv.server.async_engine.AsyncEngine` (it gets the step's
 :class:`~slimkv.engine.engine_stats.EngineStats` and counter increments), and
 :meth:`CacheHistory.snapshot` is posted with ``AsyncEngine.call``, so it reads the engine's
-stats and block map between two steps and returns plain data that the handler serialises. The schema is documented in the README ("Dashboard");
+stats and block map between two steps and returns plain data that the handler serialises. The schema is documented in docs/serving.md;
 ``SCHEMA_VERSION`` changes only when a field is removed or changes meaning.
 """
 

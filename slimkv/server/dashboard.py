@@ -70,7 +70,7 @@ def install_dashboard(app: FastAPI, v1: APIRouter, backend: Backend,
     async def state(blocks: bool = True) -> dict[str, Any]:
         return await backend.cache_state(blocks)
 
-    v1.get("/cache/state", summary="KV cache state (schema: README, Dashboard)")(state)
+    v1.get("/cache/state", summary="KV cache state (schema: docs/serving.md)")(state)
     page = APIRouter(prefix="/dashboard")
     protected = [Depends(dashboard_auth(api_key))]
     page.get("/state", dependencies=protected, include_in_schema=False)(state)
