@@ -8,6 +8,7 @@ from pathlib import Path
 
 from slimkv.bench.capacity_cli import add_capacity_cli
 from slimkv.bench.cluster import add_cluster_cli
+from slimkv.bench.kernels_cli import add_ab_cli, add_kernels_cli
 from slimkv.bench.offload import add_offload_cli
 from slimkv.bench.simulate_cli import add_simulate_cli
 from slimkv.cli import add_config_args, config_from_args
@@ -56,6 +57,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     add_cluster_cli(bench)
     add_offload_cli(bench)
     add_simulate_cli(bench)
+    add_kernels_cli(bench)
+    add_ab_cli(bench)
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
