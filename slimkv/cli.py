@@ -8,6 +8,7 @@ import importlib
 import json
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 from slimkv.config import KV_DTYPES, Config, ConfigError
@@ -36,8 +37,24 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return config
 
 
+def csv_of(kind: type):
+    """An argparse type: a comma-separated list of ``kind``."""
+    return lambda text: [kind(x) for x in text.split(",") if x]
+
+
 def print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, default=str))
+
+
+def write_result(result: dict, args: argparse.Namespace) -> int:
+    """Write a benchmark's JSON to ``args.out`` (and print it with ``args.json``)."""
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    return 0
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from slimkv.bench.capacity_cli import add_capacity_cli
@@ -11,11 +10,7 @@ from slimkv.bench.cluster import add_cluster_cli
 from slimkv.bench.kernels_cli import add_ab_cli, add_kernels_cli
 from slimkv.bench.offload import add_offload_cli
 from slimkv.bench.simulate_cli import add_simulate_cli
-from slimkv.cli import add_config_args, config_from_args
-
-
-def _csv(kind: type):
-    return lambda text: [kind(x) for x in text.split(",") if x]
+from slimkv.cli import add_config_args, config_from_args, csv_of, write_result
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
@@ -23,9 +18,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         dest="bench", required=True)
     p = bench.add_parser("engine", help="prefill and decode tokens/s per KV dtype")
     add_config_args(p)
-    p.add_argument("--kv-dtypes", type=_csv(str), default=["bfloat16", "int8", "fp8", "int4"])
-    p.add_argument("--prompt-lens", type=_csv(int), default=[512, 2048])
-    p.add_argument("--batches", type=_csv(int), default=[1, 8, 32])
+    p.add_argument("--kv-dtypes", type=csv_of(str), default=["bfloat16", "int8", "fp8", "int4"])
+    p.add_argument("--prompt-lens", type=csv_of(int), default=[512, 2048])
+    p.add_argument("--batches", type=csv_of(int), default=[1, 8, 32])
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--out", default="bench/results/engine.json", help="JSON file to write")
@@ -39,7 +34,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_bench_scheduling)
     p = bench.add_parser("compare", help="slimkv vs vLLM-CPU and llama.cpp, side by side")
     add_config_args(p)
-    p.add_argument("--kv-dtypes", type=_csv(str), default=["bfloat16", "int8", "int4"])
+    p.add_argument("--kv-dtypes", type=csv_of(str), default=["bfloat16", "int8", "int4"])
     p.add_argument("--model-dtype", default=None,
                    help="pin slimkv's model dtype (default: the config's, `auto`; a pinned "
                         "dtype also keeps unquantized weights)")
@@ -91,14 +86,4 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
     if args.plot:
         plot(result, args.plot)
         print(f"wrote {args.plot}")
-    return 0
-
-
-def write_result(result: dict, args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
-    if args.json:
-        print(json.dumps(result, indent=2))
     return 0

@@ -7,13 +7,8 @@ on a shared host run them under the CPU lock, ``flock /tmp/slimkv-cpu.lock slimk
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
-from typing import Any
 
-
-def _csv(kind: type):
-    return lambda text: [kind(x) for x in text.split(",") if x]
+from slimkv.cli import csv_of, write_result
 
 
 def add_kernels_cli(bench: argparse._SubParsersAction) -> None:
@@ -21,16 +16,16 @@ def add_kernels_cli(bench: argparse._SubParsersAction) -> None:
 
     p = bench.add_parser("kernels", help="decode/prefill attention, weight GEMMs and memory "
                          "rate of this host's kernels")
-    p.add_argument("--parts", type=_csv(str), default=list(PARTS), help=",".join(PARTS))
-    p.add_argument("--kv-dtypes", type=_csv(str), default=["bfloat16", "int8", "int4"],
+    p.add_argument("--parts", type=csv_of(str), default=list(PARTS), help=",".join(PARTS))
+    p.add_argument("--kv-dtypes", type=csv_of(str), default=["bfloat16", "int8", "int4"],
                    help="decode: KV dtypes, K/V mixes as e.g. int4/int8")
-    p.add_argument("--batches", type=_csv(int), default=[16, 32], help="decode: sequences")
+    p.add_argument("--batches", type=csv_of(int), default=[16, 32], help="decode: sequences")
     p.add_argument("--context", type=int, default=2048, help="decode: tokens per sequence")
     p.add_argument("--tables", choices=["runs", "random"], default="runs",
                    help="decode: each sequence's blocks in order, or anywhere in the pool")
     p.add_argument("--layers", type=int, default=30,
                    help="decode, gemm: layers timed (the model has 30)")
-    p.add_argument("--rows", type=_csv(int), default=[1, 8, 32, 512], help="gemm: rows (M)")
+    p.add_argument("--rows", type=csv_of(int), default=[1, 8, 32, 512], help="gemm: rows (M)")
     p.add_argument("--kernel-rows", type=int, default=64,
                    help="gemm: the most rows the int8 kernel is timed at")
     p.add_argument("--vocab", type=int, default=49152, help="gemm: rows of the LM head")
@@ -56,7 +51,7 @@ def add_ab_cli(bench: argparse._SubParsersAction) -> None:
         p.add_argument(f"--set{side and '-' + side}", dest=f"set_{side or 'both'}",
                        action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help=f"override in config {side.upper() or 'A and B'}")
-    p.add_argument("--kv-dtypes", type=_csv(str), default=["int8", "int4"],
+    p.add_argument("--kv-dtypes", type=csv_of(str), default=["int8", "int4"],
                    help="decode and engine builds: KV dtypes (decode: K/V mixes too)")
     p.add_argument("--batch", type=int, default=32, help="sequences decoding")
     p.add_argument("--context", type=int, default=2048, help="tokens per sequence")
@@ -82,7 +77,7 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
                            args.layers, args.rows, args.kernel_rows, args.prefill_tokens,
                            args.mem_mib, args.reps, args.dtype and getattr(torch, args.dtype),
                            args.tables, args.vocab)
-    return _write(result, args)
+    return write_result(result, args)
 
 
 def cmd_bench_ab(args: argparse.Namespace) -> int:
@@ -105,14 +100,4 @@ def cmd_bench_ab(args: argparse.Namespace) -> int:
               + f" ms (best / median), B/A {row['b_over_a']['best']:.3f} / "
                 f"{row['b_over_a']['median']:.3f}"
               + (f", max abs diff {row['max_abs_diff']:.3g}" if "max_abs_diff" in row else ""))
-    return _write(result, args)
-
-
-def _write(result: dict[str, Any], args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
-    if args.json:
-        print(json.dumps(result, indent=2))
-    return 0
+    return write_result(result, args)
