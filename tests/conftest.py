@@ -4,6 +4,7 @@ on a free local port; one int8 server is shared by the whole session."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 import threading
 import time
@@ -13,11 +14,18 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from slimkv.config import Config
 from slimkv.engine.engine_stats import EngineStats, LaneCounts
+
+# Triton reads TRITON_INTERPRET when it is first imported: on a machine without CUDA every
+# test runs its kernels on CPU tensors under the interpreter (tests/test_triton_*.py). On a
+# GPU the CUDA tests need the compiled kernels, so it is left unset there.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 API_KEY = "test-key"
 

@@ -19,14 +19,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 PROMPTS = ["the quick brown fox", "over the lazy dog and the fox", "quick quick brown"]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def write_checkpoint(path: Path) -> Path:
     """A random 2-layer Llama (9 query heads over 3 KV heads, head_dim 64: SmolLM2's
-    attention shape) with a byte-level BPE tokenizer."""
+    attention shape) with a byte-level BPE tokenizer, at ``path``."""
     from tokenizers import ByteLevelBPETokenizer
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    path = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=320, hidden_size=576, intermediate_size=256, num_hidden_layers=2,
@@ -38,6 +36,11 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer,
                             eos_token="<|endoftext|>").save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def config(path: Path, device: str, kv_dtype: str = "int8") -> Config:

@@ -24,6 +24,8 @@ from torch import Tensor
 from slimkv.kernels import (KVSide, decode_kernel, describe, kernel_format,
                             kernel_unavailable_reason)
 from slimkv.kernels.stage import KINDS, stage_kernel
+from slimkv.kernels.triton import triton_unavailable_reason
+from slimkv.kernels.triton.side import describe as triton_side
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.quant import FloatCodec
 from slimkv.kv.staging import Staging
@@ -108,7 +110,8 @@ class PagedAttention:
     """
 
     def __init__(self, cache: PagedKVCache, num_heads: int, scale: float, dtype: torch.dtype,
-                 fast: bool | None = None, staging: Staging | None = None) -> None:
+                 fast: bool | None = None, staging: Staging | None = None,
+                 triton: bool | None = None) -> None:
         if num_heads % cache.num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of "
                              f"num_kv_heads={cache.num_kv_heads}")
@@ -120,18 +123,29 @@ class PagedAttention:
         self.fast = os.environ.get(FAST_ENV, "1") != "0" if fast is None else fast
         self.path_counts: Counter[str] = Counter()
         self.layer_path_counts: defaultdict[int, Counter[str]] = defaultdict(Counter)
+        # Triton kernels on CUDA; on the CPU when asked (tests, under TRITON_INTERPRET=1).
+        self.triton = cache.device.type == "cuda" if triton is None else triton
         self.fallback_reason = self._fallback_reason()
         self.kernel_unavailable = self._kernel_unavailable()
         self._sides: dict[int, tuple[KVSide, KVSide]] = {}  # per layer, made on first use
         # The lean decode (decodes only, fused kernel): in each layer (_lean_decode) for a
         # staged cache; in the one-call step (slimkv.kernels.step) also for an unstaged pool
         # stored in the model dtype, which the stage kernel writes as it writes staging.
-        lean = self.fallback_reason is None and dtype in KINDS and (
+        lean = not self.triton and self.fallback_reason is None and dtype in KINDS and (
             staging.buffer.dtype == dtype if staging is not None else
             all(isinstance(c, FloatCodec) and c.storage_dtype == dtype for c in cache.all_codecs()))
         self._stage = stage_kernel() if lean else None
         self._q = torch.empty(0)
-        self._kernel = decode_kernel() if self.kernel_unavailable is None else None
+        self._kernel = None if self.kernel_unavailable is not None else (
+            self._triton_kernels() if self.triton else decode_kernel())
+
+    def _triton_kernels(self):
+        """The Triton decode; the pool's writes go through its kernels too."""
+        from slimkv.kernels.triton.decode import TritonDecode
+        from slimkv.kernels.triton.pool import TritonPoolWriter
+
+        self.cache.writer = TritonPoolWriter(self.cache)
+        return TritonDecode()
 
     def _fallback_reason(self) -> str | None:
         """Why the fast quantized path cannot run (None when it can): disabled, or a KV
@@ -148,20 +162,25 @@ class PagedAttention:
         return None
 
     def _kernel_unavailable(self) -> str | None:
-        """Why decodes cannot use the fused kernel of :mod:`slimkv.kernels` (None if they can)."""
-        if self.cache.device.type != "cpu":
-            return f"the fused decode kernel is CPU-only (device {self.cache.device})"
+        """Why decodes cannot use a kernel over the pool (None if they can): the C kernel of
+        :mod:`slimkv.kernels` on the CPU, the Triton one (:mod:`slimkv.kernels.triton`)."""
         if any(kernel_format(codec) is None for codec in self.cache.all_codecs()):
-            return "the fused decode kernel lacks this KV format"
+            return "the decode kernels lack this KV format"
+        if self.triton:
+            return triton_unavailable_reason(self.cache.device)
+        if self.cache.device.type != "cpu":
+            return f"the fused C decode kernel is CPU-only (device {self.cache.device})"
         return kernel_unavailable_reason()
 
     @property
     def decode_path(self) -> str:
-        """The path decodes take: ``fused_decode`` (the native kernel), ``fast_decode``
-        (gather + SDPA) or ``reference`` (the fallback)."""
+        """The path decodes take: ``fused_decode`` (the C kernel), ``triton_decode``,
+        ``fast_decode`` (gather + SDPA) or ``reference`` (the fallback)."""
         if self.fallback_reason is not None:
             return "reference"
-        return "fused_decode" if self.kernel_unavailable is None else "fast_decode"
+        if self.kernel_unavailable is not None:
+            return "fast_decode"
+        return "triton_decode" if self.triton else "fused_decode"
 
     def _count(self, layer: int, path: str) -> None:
         self.path_counts[path] += 1
@@ -182,7 +201,7 @@ class PagedAttention:
         out = torch.empty_like(q)
         if plan is not None:
             if self.kernel_unavailable is None:
-                self._count(layer, "fused_decode")
+                self._count(layer, self.decode_path)
                 self._fused_decode(layer, q, plan, out)
             else:
                 self._count(layer, "fast_decode")
@@ -283,8 +302,9 @@ class PagedAttention:
     def _layer_sides(self, layer: int) -> tuple[KVSide, KVSide]:
         """The kernel's view of the layer's K and V pools, made on first use."""
         if layer not in self._sides:
-            self._sides[layer] = tuple(describe(self.cache.layer_codecs[layer][side],
-                                                self.cache.layer_pool(side, layer))
+            view = triton_side if self.triton else describe
+            self._sides[layer] = tuple(view(self.cache.layer_codecs[layer][side],
+                                            self.cache.layer_pool(side, layer))
                                        for side in ("k", "v"))
         return self._sides[layer]
 

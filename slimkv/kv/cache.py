@@ -5,9 +5,6 @@ such as ``scale``/``zero``) is one tensor ``[num_layers, num_blocks, block_size,
 width]`` allocated once at start-up; per-block auxiliary tensors (per-channel key scales)
 are ``[num_layers, num_blocks, num_kv_heads, width]``. Token ``offset`` of block ``b`` lives
 at slot ``b * block_size + offset``. Reads gather and dequantize only the requested blocks.
-On CPU the large tensors sit on transparent huge pages (:mod:`slimkv.kv.hugepages`: a step's
-block reads are scattered over the pool; neutral on the VM measured, which likely backs
-guest memory with 4 KiB pages).
 With ``layer_dtypes`` (per-layer mixed precision, :mod:`slimkv.kv.layers`) the layers of each
 dtype have their own tensors, whose leading axis runs over those layers only.
 
@@ -24,7 +21,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slimkv.kv.hugepages import filled
 from slimkv.kv.layers import LayerDtypes, layer_codecs, side_codec, side_codecs
 from slimkv.kv.quant import AUX_DTYPE, KVCodec, QuantizedKV
 from slimkv.stats import cdiv
@@ -70,6 +66,7 @@ class PagedKVCache:
         self._where = {layer: (group, i) for group in self._groups
                        for i, layer in enumerate(group.layers)}
         self.block_scaled = any(codec.block_aux_widths for codec in self.all_codecs())
+        self.writer: Any = None  # writes in kernels instead (CUDA: kernels/triton/pool.py)
 
     def _group_layers(self) -> list[_LayerGroup]:
         """One group per distinct codec pair (``layer_codecs`` shares one dict per pair)."""
@@ -86,11 +83,12 @@ class PagedKVCache:
         lead = (num_layers, self.num_blocks)
         heads = (self.num_kv_heads,)
         tokens = (self.block_size, self.num_kv_heads)
-        data = filled((*lead, *tokens, codec.data_width), 0, codec.storage_dtype, self.device)
+        data = torch.zeros((*lead, *tokens, codec.data_width), dtype=codec.storage_dtype,
+                           device=self.device)
         # Scales start at 1 so never-written slots dequantize to finite values.
-        aux = {name: filled((*lead, *tokens, width), 1, AUX_DTYPE, self.device)
+        aux = {name: torch.ones((*lead, *tokens, width), dtype=AUX_DTYPE, device=self.device)
                for name, width in codec.aux_widths.items()}
-        aux.update({name: filled((*lead, *heads, width), 1, AUX_DTYPE, self.device)
+        aux.update({name: torch.ones((*lead, *heads, width), dtype=AUX_DTYPE, device=self.device)
                     for name, width in codec.block_aux_widths.items()})
         return QuantizedKV(data, aux)
 
@@ -160,6 +158,8 @@ class PagedKVCache:
         :meth:`write_blocks`)."""
         if self.block_scaled:
             raise RuntimeError("a cache with per-block scales is written block by block")
+        if self.writer is not None:
+            return self.writer.write(layer, slot_mapping, k, v)
         for side, x in zip(_SIDES, (k, v)):
             encoded = self.layer_codecs[layer][side].quantize(x)
             for stored, new in self._fields(self.layer_pool(side, layer), encoded):
@@ -167,6 +167,8 @@ class PagedKVCache:
 
     def write_blocks(self, layer: int, block_ids: Tensor, k: Tensor, v: Tensor) -> None:
         """Quantize whole blocks ``k``/``v`` ``[n, block_size, H, D]`` into ``block_ids [n]``."""
+        if self.writer is not None:
+            return self.writer.write_blocks(layer, block_ids, k, v)
         for side, x in zip(_SIDES, (k, v)):
             encoded = self.layer_codecs[layer][side].quantize(x)
             for stored, new in self._fields(self.layer_pool(side, layer), encoded):
