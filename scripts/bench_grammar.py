@@ -18,7 +18,7 @@ from importlib.metadata import PackageNotFoundError, version
 import torch
 
 from slimkv.bench.engine import machine_info
-from slimkv.model.loader import load_tokenizer
+from slimkv.model_io.loader import load_tokenizer
 from slimkv.options.structured import Grammars, canonical_schema
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
-# model.weights auto: the file's 4/8-bit class where the CPU kernel runs (slimkv/model/weights.py).
+# model.weights auto: the file's 4/8-bit class where the CPU kernel runs (model_io/weights.py).
 WEIGHT_CLASSES = ("auto", "float32", "bfloat16", "int8", "int4")
 KV_DTYPES = ("auto", "float32", "float16", "bfloat16",
              "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "int4")

@@ -3,8 +3,9 @@
 For each KV dtype, an engine (``strict: false``, so a fallback is reported rather than
 refused) serves a few prompts through prefill and batched decode. Every attention call is
 checked against :func:`reference_paged_attention` over the same pool state, and per layer
-we record the paths taken (``fast_prefill``, and ``fused_decode`` or ``fast_decode`` on the
-CPU, ``triton_decode`` on CUDA = the quantized fast path; ``reference`` = the fallback). A dtype fails on any fallback, any pool tensor whose storage
+we record the paths taken (on the CPU ``fast_prefill`` and ``fused_decode`` or
+``fast_decode``, on CUDA ``triton_prefill`` and ``triton_decode``: the quantized fast path;
+``reference`` = the fallback). A dtype fails on any fallback, any pool tensor whose storage
 dtype is not the configured format's (a silent float fallback), or any mismatch.
 """
 
@@ -23,7 +24,7 @@ from slimkv.plugins import build_engine
 from slimkv.stats import cdiv
 
 ALL_KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2", "int4")
-PREFILL_PATHS = ("fast_prefill",)
+PREFILL_PATHS = {"cpu": ("fast_prefill",), "cuda": ("triton_prefill",)}
 # The native C kernel, or gather + SDPA (CPU); on CUDA only the Triton kernel counts: the
 # gathered path there is the float copy of the whole prefix the kernel exists to avoid.
 DECODE_PATHS = {"cpu": ("fused_decode", "fast_decode"), "cuda": ("triton_decode",)}
@@ -71,9 +72,9 @@ def verify_dtype(config: Config, kv_dtype: str, prompt_len: int = 40, new_tokens
                "match": checked.errors[layer] <= tolerance}
               for layer, counts in sorted(checked.attention.layer_path_counts.items())]
     pool = _pool_report(engine)
-    decode_paths = DECODE_PATHS.get(engine.runner.device.type, DECODE_PATHS["cpu"])
+    device = engine.runner.device.type if engine.runner.device.type in DECODE_PATHS else "cpu"
     ran_fast = all(any(layer["paths"].get(p) for p in paths) for layer in layers
-                   for paths in (PREFILL_PATHS, decode_paths))
+                   for paths in (PREFILL_PATHS[device], DECODE_PATHS[device]))
     ok = (ran_fast and checked.attention.fallback_reason is None
           and all(t["format_ok"] for t in pool)
           and all(layer["match"] and not layer["fallback"] for layer in layers))

@@ -181,6 +181,7 @@ def test_prefix_hits_on_quantized_blocks_equal_cold_prefill() -> None:
     greedy tokens equal a cold prefill of the same prompt on a fresh engine."""
     from slimkv.config import Config
     from slimkv.engine.llm_engine import LLMEngine
+    from slimkv.plugins import build_engine
     from slimkv.engine.sampling import SamplingParams
 
     config = Config.load().replace("model", device="cpu", dtype="float32").replace(
@@ -194,13 +195,13 @@ def test_prefix_hits_on_quantized_blocks_equal_cold_prefill() -> None:
             engine.step()
         return seq.output_token_ids
 
-    warm = LLMEngine(config)
+    warm = build_engine(config)
     generate(warm)
     hit = warm.add_request(list(prompt), params)
     while warm.has_unfinished():
         warm.step()
     assert hit.num_cached_tokens == 32  # two full quantized blocks
-    cold = generate(LLMEngine(config))
+    cold = generate(build_engine(config))
     assert hit.output_token_ids == cold
     assert warm.memory_split()["kv_staging"] == warm.runner.staging.nbytes > 0
 

@@ -22,17 +22,17 @@ CORE_LAYERS = [
     ["slimkv.kernels.build", "slimkv.kernels.qgemm", "slimkv.kernels.tile_gemm"],
     ["slimkv.model", "slimkv.engine.sampling_params", "slimkv.engine.sampling", "slimkv.engine.choices", "slimkv.kv.quant",
      "slimkv.kv.block_scales", "slimkv.kv.layers", "slimkv.kv.block_pool", "slimkv.kv.connector",
-     "slimkv.kv.hugepages",
      "slimkv.engine.sequence",
-     "slimkv.kv.manager", "slimkv.kv.contiguous", "slimkv.engine.outputs"],
+     "slimkv.kv.manager", "slimkv.engine.outputs"],
     ["slimkv.kv.cache", "slimkv.kv.staging", "slimkv.kv", "slimkv.kernels"],
-    ["slimkv.attention.prefill", "slimkv.attention.metadata", "slimkv.attention.paged"],
+    ["slimkv.attention.prefill", "slimkv.attention.metadata", "slimkv.attention.reference",
+     "slimkv.attention.paged"],
     ["slimkv.engine.scheduler", "slimkv.engine.memory"],
     ["slimkv.engine.runner"],
     ["slimkv.engine.llm_engine"],
     # Plug-ins: the core calls them through a protocol and never imports them; they import
     # the core below the engine, and the engine's builder (slimkv.plugins) imports them.
-    ["slimkv.kv.offload", "slimkv.options"],
+    ["slimkv.kv.offload", "slimkv.options", "slimkv.model_io", "slimkv.kv.contiguous"],
     ["slimkv.llm", "slimkv.plugins", "slimkv.workload", "slimkv",
      # The tools' config sections, which the package imports to register them with Config
      # (they import slimkv.config only).

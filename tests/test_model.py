@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from slimkv.model import ModelArgs, Tokenizer, Transformer, default_model_path, load_model
+from slimkv.model import ModelArgs, Transformer
+from slimkv.model_io import Tokenizer, default_model_path, load_model
 
 CPU = torch.device("cpu")
 PROMPTS = [

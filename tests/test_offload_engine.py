@@ -13,7 +13,7 @@ import torch
 from slimkv.config import ConfigError
 from slimkv.engine.llm_engine import LLMEngine
 from slimkv.kv.cache import PagedKVCache
-from slimkv.model.loader import read_model_args
+from slimkv.model_io import load, read_model_args
 from slimkv.plugins import build_engine
 from slimkv.kv.offload.chunk import CHUNK_BLOCKS
 from slimkv.kv.offload.disk import HEADER
@@ -91,7 +91,7 @@ _references: dict[str, torch.Tensor] = {}
 def reference_logits(name: str) -> torch.Tensor:
     """TURN2's logits after DOC, on an engine without the tier that never evicts."""
     if name not in _references:
-        engine = LLMEngine(small_config(kv_cache={"num_blocks": 48, **KV_FORMATS[name]}))
+        engine = build_engine(small_config(kv_cache={"num_blocks": 48, **KV_FORMATS[name]}))
         tail_logits(engine, DOC)
         cached, _references[name] = tail_logits(engine, TURN2)
         assert cached == len(DOC)
@@ -154,7 +154,7 @@ def test_turns_through_the_engine_loop_hit_the_tier(tmp_path) -> None:
     engine = build_engine(offload_config(tmp_path, {}, host_chunks=0))   # disk only
     out1, _ = generate(engine, DOC, "s")
     follow = DOC + out1 + tokens(20, seed=5)
-    ref_engine = LLMEngine(small_config(kv_cache={"num_blocks": 96}))
+    ref_engine = build_engine(small_config(kv_cache={"num_blocks": 96}))
     ref_out1, _ = generate(ref_engine, DOC, "s")
     assert ref_out1 == out1
     reference, ref_cached = generate(ref_engine, follow, "s")
@@ -168,4 +168,4 @@ def test_turns_through_the_engine_loop_hit_the_tier(tmp_path) -> None:
 
 def test_an_engine_built_without_the_connector_refuses_an_offload_config(tmp_path) -> None:
     with pytest.raises(ConfigError, match="kv_cache.offload"):
-        LLMEngine(offload_config(tmp_path, {}, host_chunks=4))
+        LLMEngine(offload_config(tmp_path, {}, host_chunks=4), load)

@@ -82,11 +82,11 @@ def test_parse_bytes() -> None:
 
 @pytest.mark.slow
 def test_plan_matches_the_engine_for_smollm2() -> None:
-    from slimkv.engine.llm_engine import LLMEngine
+    from slimkv.plugins import build_engine
 
     # Unquantized weights (a pinned model dtype); the quantized classes: the test below.
     config = Config.from_dict({"kv_cache": {"memory_gb": 0.125}, "model": {"dtype": "float32"}})
-    engine = LLMEngine(config)
+    engine = build_engine(config)
     split = engine.memory_split()
     p = plan("smollm2-135m", split["weights"] + split["activations"] + int(0.125 * GiB),
              weight_dtype=str(engine.runner.dtype).removeprefix("torch."), kv_dtypes=(engine.runner.k_dtype,),
@@ -100,13 +100,13 @@ def test_plan_matches_the_engine_for_smollm2() -> None:
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 def test_plan_counts_quantized_weights_as_the_engine_holds_them(weights: str) -> None:
-    from slimkv.engine.llm_engine import LLMEngine
+    from slimkv.plugins import build_engine
     from slimkv.kernels.qgemm import qgemm_kernel
 
     if qgemm_kernel() is None:
         pytest.skip("no weight kernel (no C compiler)")
-    engine = LLMEngine(Config.from_dict({"kv_cache": {"memory_gb": 0.125},
-                                         "model": {"weights": weights}}))
+    engine = build_engine(Config.from_dict({"kv_cache": {"memory_gb": 0.125},
+                                            "model": {"weights": weights}}))
     held = engine.memory_split()["weights"]
     planned = plan("smollm2-135m", 4 * GiB, weight_dtype=weights, kv_dtypes=("int8",)).weights
     # equal up to the norm weights' dtype (bf16 in the plan, the engine's model dtype)

@@ -26,13 +26,13 @@ def test_live_bytes_counts_new_storages_once_and_ignores_old_ones() -> None:
 
 @pytest.mark.slow
 def test_profile_kv_bytes_int8_vs_bfloat16() -> None:
-    from slimkv.engine.llm_engine import LLMEngine
+    from slimkv.plugins import build_engine
 
     reports = {}
     for kv in ("bfloat16", "int8"):
-        engine = LLMEngine(Config.from_dict({"kv_cache": {"dtype": kv, "num_blocks": 64,
-                                                          "k_scale": "per_token"},
-                                             "scheduler": {"max_num_batched_tokens": 128}}))
+        engine = build_engine(Config.from_dict({"kv_cache": {"dtype": kv, "num_blocks": 64,
+                                                             "k_scale": "per_token"},
+                                                "scheduler": {"max_num_batched_tokens": 128}}))
         m = run_workload(engine, sessions=2, context=48)
         assert m["kv_allocated"] == engine.pool.num_blocks * engine.runner.cache.bytes_per_block
         assert m["kv_allocated"] == engine.memory_split()["kv_cache"]

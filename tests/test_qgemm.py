@@ -9,7 +9,8 @@ import torch
 
 from slimkv.kernels.qgemm import (PLAIN, PRECISE, RMSNORM, SILU_MUL, pack, qgemm_kernel,
                                   qgemm_unavailable_reason, unpack_rows)
-from slimkv.model.quant import QuantLinear, QuantTensor, cat_rows, from_gguf, quantize
+from slimkv.model.quant import QuantLinear, QuantTensor
+from slimkv.model_io.convert import cat_rows, from_gguf, quantize, to_bits
 
 pytestmark = pytest.mark.skipif(qgemm_kernel() is None,
                                 reason=f"no weight kernel: {qgemm_unavailable_reason()}")
@@ -150,7 +151,7 @@ def test_quantize_round_trip_and_c_dequantize(bits: int) -> None:
 def test_four_bits_widen_to_eight_exactly_and_mixed_rows_meet_at_eight() -> None:
     gen = _gen(0)
     w4, w8 = quantize(torch.randn(8, 64, generator=gen), 4), quantize(torch.randn(4, 64), 8)
-    assert torch.equal(w4.to_bits(8).dequantize(), w4.dequantize())
+    assert torch.equal(to_bits(w4, 8).dequantize(), w4.dequantize())
     both = cat_rows([w4, w8])
     assert both.bits == 8 and torch.equal(both.dequantize(),
                                           torch.cat([w4.dequantize(), w8.dequantize()]))
@@ -162,7 +163,7 @@ def test_gguf_blocks_are_adopted_exactly() -> None:
     gguf = pytest.importorskip("gguf")
     from gguf.quants import dequantize, quantize as gguf_quantize
 
-    from slimkv.model.loader import default_model_path
+    from slimkv.model_io.loader import default_model_path
     reader = gguf.GGUFReader(default_model_path())
     seen = set()
     for t in reader.tensors:

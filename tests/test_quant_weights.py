@@ -9,12 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import slimkv.engine.runner
+import slimkv.model_io.loader
 from slimkv.config import Config, ConfigError
 from slimkv.eval.corpus import windows
 from slimkv.kernels.qgemm import qgemm_kernel, qgemm_unavailable_reason
 from slimkv.llm import LLM
 from slimkv.model.lean import set_activations
+from slimkv.model_io.weights import resolve_weights
 from slimkv.engine.sampling import SamplingParams
 
 pytestmark = [pytest.mark.slow,
@@ -37,7 +38,7 @@ def engines() -> tuple[LLM, LLM]:
     """The file's classes with float32 activations (``auto`` would pick them with
     model.dtype auto, i.e. bf16 here), and the dequantized float32 engine."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(slimkv.engine.runner, "resolve_weights", lambda *args: "file")
+        mp.setattr(slimkv.model_io.loader, "resolve_weights", lambda *args: "file")
         quant = _llm("auto")
     return quant, _llm("float32")
 
@@ -61,11 +62,11 @@ def test_int4_and_int8_classes_quantize_everything() -> None:
 def test_auto_picks_the_file_class_only_with_a_native_kernel_and_unpinned_dtype() -> None:
     cpu = torch.device("cpu")
     native = qgemm_kernel().native
-    assert slimkv.engine.runner.resolve_weights("auto", "auto", cpu) == ("file" if native else "float")
-    assert slimkv.engine.runner.resolve_weights("auto", "float32", cpu) == "float"
-    assert slimkv.engine.runner.resolve_weights("auto", "auto", torch.device("meta")) == "float"
+    assert resolve_weights("auto", "auto", cpu) == ("file" if native else "float")
+    assert resolve_weights("auto", "float32", cpu) == "float"
+    assert resolve_weights("auto", "auto", torch.device("meta")) == "float"
     with pytest.raises(ConfigError, match="CPU weight kernel"):
-        slimkv.engine.runner.resolve_weights("int4", "auto", torch.device("meta"))
+        resolve_weights("int4", "auto", torch.device("meta"))
 
 
 def _perplexity(llm: LLM, windows_: list[list[int]], chunk: int) -> float:

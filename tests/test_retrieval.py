@@ -10,7 +10,7 @@ from slimkv.eval.harness import SUITES
 from slimkv.eval.prompts import MAX_NEW_TOKENS, Probe, is_match
 from slimkv.eval.recall import FACT_KINDS, conversation_probes, document_probes
 from slimkv.eval.retrieval import passkey_probes
-from slimkv.model import Tokenizer, default_model_path
+from slimkv.model_io import Tokenizer, default_model_path
 
 CONTEXTS = [1024, 2048, 4096, 7168]
 DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]

@@ -11,11 +11,11 @@ from collections.abc import Callable
 import pytest
 
 from slimkv.config import Config
-from slimkv.engine.llm_engine import LLMEngine
 from slimkv.kv.block_pool import BlockPool
 from slimkv.kv.manager import KVCacheManager
 from slimkv.engine.sampling_params import SamplingParams
 from slimkv.engine.sequence import Sequence
+from slimkv.plugins import build_engine
 from slimkv.simulate.engine import Batch, SimEngine, StepRecord
 
 
@@ -43,7 +43,7 @@ def config(paged: bool, **sched) -> Config:
 
 
 def decisions_real(cfg: Config) -> list[tuple]:
-    engine = LLMEngine(cfg)
+    engine = build_engine(cfg)
     sched = engine.scheduler
     trace, pending = [], workload()
     while pending or engine.has_unfinished():

@@ -9,24 +9,28 @@ import io
 import tokenize
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "slimkv"
 CORE_BUDGET, MODULE_MAX = 3000, 300
 # The path one request takes through one engine (issue 19: model, kv, attention, kernels glue,
 # scheduler, engine/runner, sequence, sampling, outputs, config): config and defaults,
 # bookkeeping, the sampler with its logits-processor protocol and n choices, outputs and the
-# detokenizer, the model and its weights, the KV pool, its formats and its connector
-# protocol, attention and the kernel glue, start-up memory, the runner, the engine and its
-# stats snapshot. The kernels count by their Python glue (kernels/*.py: ctypes wrappers, the
+# detokenizer, the model, its quantized weights and its loader protocol, the KV pool, its
+# formats and its connector protocol, attention and the kernel glue, start-up memory, the
+# runner, the engine and its stats snapshot. The kernels count by their Python glue (kernels/*.py: ctypes wrappers, the
 # one-call step); their sources, the C files and the Triton kernels of kernels/triton/, are
 # outside the budget. So are the tools' config sections, which live with the tools
 # (slimkv/server/config.py, slimkv/cluster/config.py) and register with slimkv/config.py.
 CORE = ["config.py", "stats.py", "engine/*.py", "model/*.py", "kv/*.py", "attention/*.py",
         "kernels/*.py"]
 # Plug-ins: the core calls them through a protocol (kv/connector.py's KVConnector,
-# engine/sampling.py's LogitsProcessor) and never imports them; slimkv/plugins.py builds engines
-# with them. The offload tier and the OpenAI sampling options (logprobs, penalties,
-# logit_bias, min_tokens, structured output).
-PLUGINS = ("slimkv.kv.offload", "slimkv.options")
+# engine/sampling.py's LogitsProcessor, model/protocol.py's ModelLoader, the KV manager's
+# interface) and never imports them; slimkv/plugins.py builds engines with them. The offload
+# tier, the OpenAI sampling options (logprobs, penalties, logit_bias, min_tokens, structured
+# output), the model files (GGUF / Hugging Face checkpoints, the tokenizer) and the
+# contiguous baseline (kv_cache.paged: false).
+PLUGINS = ("slimkv.kv.offload", "slimkv.options", "slimkv.model_io", "slimkv.kv.contiguous")
 
 
 def lines(path: Path) -> int:
@@ -100,3 +104,15 @@ def test_no_module_is_over_300_lines() -> None:
     big = {str(p.relative_to(PACKAGE)): lines(p) for p in PACKAGE.rglob("*.py")
            if lines(p) > MODULE_MAX}
     assert not big, big
+
+
+def test_an_engine_takes_its_plugins_from_the_builder() -> None:
+    """Without slimkv.plugins.build_engine, an engine has no model loader, nor the
+    contiguous baseline a ``paged: false`` config asks for: it says so before loading."""
+    from slimkv.config import Config, ConfigError
+    from slimkv.engine.llm_engine import LLMEngine
+
+    with pytest.raises(TypeError, match=r"slimkv\.plugins\.build_engine"):
+        LLMEngine(Config())
+    with pytest.raises(ConfigError, match="kv_cache.paged: false"):
+        LLMEngine(Config().replace("kv_cache", paged=False), loader=lambda *args: 1 / 0)

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from slimkv.kernels.qgemm import pack
 from slimkv.kernels.tile_gemm import tile_gemm_kernel
-from slimkv.model.quant import QuantLinear, quantize
+from slimkv.model.quant import QuantLinear
+from slimkv.model_io.convert import quantize
 
 pytestmark = pytest.mark.skipif(tile_gemm_kernel() is None,
                                 reason="no AMX bf16 tiles on this CPU (or no kernel build)")

@@ -1,4 +1,4 @@
-"""The engine with its attention on the Triton kernels (decode, pool writes), run on the
+"""The engine with its attention on the Triton kernels (prefill, decode, pool writes), run on the
 CPU by Triton's interpreter (conftest sets TRITON_INTERPRET=1 where there is no CUDA):
 the same greedy tokens as the engine on the C kernels, the same pool bytes, and the Triton
 decode taken in every layer. This is the glue's test; the kernels' own tests are
@@ -63,7 +63,8 @@ def test_the_triton_engine_equals_the_c_engine(checkpoint: Path, kv_dtype: str,
     attention = engine.runner.attention
     assert attention.decode_path == "triton_decode" and engine.runner.cache.writer is not None
     for layer in range(engine.runner.cache.num_layers):
-        assert attention.layer_path_counts[layer]["triton_decode"] > 0, layer
+        counts = attention.layer_path_counts[layer]
+        assert counts["triton_decode"] > 0 and counts["triton_prefill"] > 0, (layer, counts)
     # The Triton writes store the codecs' codes and scales bit for bit. Layer 0 only: its
     # K/V come from the same embeddings in both engines, while deeper layers' inputs carry
     # the two decode kernels' float32 rounding (~1e-6) from the layer before.

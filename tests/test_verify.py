@@ -31,7 +31,7 @@ def test_verify_passes_for_every_dtype_on_cpu() -> None:
 
 def test_forced_fallback_fails_verify_and_strict_startup(monkeypatch: pytest.MonkeyPatch,
                                                          capsys: pytest.CaptureFixture) -> None:
-    from slimkv.engine.llm_engine import LLMEngine
+    from slimkv.plugins import build_engine
 
     monkeypatch.setenv(FAST_ENV, "0")
     [result] = verify(Config(), ["int8"])
@@ -40,6 +40,6 @@ def test_forced_fallback_fails_verify_and_strict_startup(monkeypatch: pytest.Mon
     assert all(layer["fallback"] and layer["paths"] == {"reference": layer["paths"]["reference"]}
                for layer in result["layers"])
     with pytest.raises(ConfigError, match="cannot run its quantized attention path"):
-        LLMEngine(Config.from_dict({"kv_cache": {"num_blocks": 16}}))
+        build_engine(Config.from_dict({"kv_cache": {"num_blocks": 16}}))
     assert main(["verify", "--kv-dtype", "int8"]) == 1
     assert "FAIL" in capsys.readouterr().out

@@ -21,6 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from slimkv.attention import prefill
+from slimkv.attention.metadata import AttentionMetadata, DecodePlan
+from slimkv.attention.prefill import context_mask
+from slimkv.attention.reference import reference_paged_attention, sequence_context
 from slimkv.kernels import (KVSide, decode_kernel, describe, kernel_format,
                             kernel_unavailable_reason)
 from slimkv.kernels.stage import KINDS, stage_kernel
@@ -29,9 +33,6 @@ from slimkv.kernels.triton.side import describe as triton_side
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.quant import FloatCodec
 from slimkv.kv.staging import Staging
-from slimkv.attention.metadata import AttentionMetadata, DecodePlan
-from slimkv.attention import prefill
-from slimkv.attention.prefill import context_mask
 
 __all__ = ["FAST_ENV", "AttentionMetadata", "DecodePlan", "PagedAttention",
            "reference_paged_attention", "sequence_context"]
@@ -58,55 +59,21 @@ def _gqa_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Te
     return out.reshape(batch, n, num_heads, head_dim)
 
 
-def sequence_context(cache: PagedKVCache, staging: Staging | None, layer: int,
-                     meta: AttentionMetadata, i: int,
-                     dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """Sequence ``i``'s keys and values ``[1, n, H, D]`` and mask ``[1, query_len, n]``:
-    its pool blocks, or for a staged cache its earlier blocks from the pool and its own
-    block at full precision."""
-    if staging is None:
-        k, v = cache.read_prefix(layer, meta.block_tables[i:i + 1], meta.seq_lens[i], dtype)
-        return k, v, context_mask(meta.seq_lens_t[i:i + 1], meta.query_lens[i], k.shape[1])
-    return staging.context(layer, meta.block_tables[i:i + 1], meta.seq_lens[i],
-                           meta.query_lens[i], meta.staging_slots[i:i + 1], meta.staged.get(i),
-                           dtype)
-
-
-def reference_paged_attention(cache: PagedKVCache, layer: int, q: Tensor, meta: AttentionMetadata,
-                              scale: float, dtype: torch.dtype,
-                              staging: Staging | None = None) -> Tensor:
-    """Plain per-sequence attention over the cached KV, softmax in float32.
-
-    Reads the pool only (the step's K/V must already be written), plus, for a staged cache,
-    each prefill's full-precision K/V (``meta.staged``) and each decode's staging slot.
-    Kept simple on purpose: it is the oracle that the fast path and future kernels are
-    checked against.
-    """
-    out = torch.empty(q.shape, dtype=dtype, device=q.device)
-    group = q.shape[1] // cache.num_kv_heads
-    for i, q_len in enumerate(meta.query_lens):
-        rows = slice(meta.query_start_loc[i], meta.query_start_loc[i] + q_len)
-        k, v, mask = sequence_context(cache, staging, layer, meta, i, torch.float32)
-        k = k[0].repeat_interleave(group, dim=1)
-        v = v[0].repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[rows].float(), k) * scale
-        probs = scores.masked_fill(~mask[0], float("-inf")).softmax(dim=-1)
-        out[rows] = torch.einsum("hqk,khd->qhd", probs, v).to(dtype)
-    return out
-
-
 class PagedAttention:
     """Cache write + attention for one model's layers, sharing one :class:`PagedKVCache`.
 
-    Decodes (query_len 1) of a step run together: on the CPU through the fused kernel of
+    On the CPU, decodes (query_len 1) of a step run together through the fused C kernel of
     :mod:`slimkv.kernels` (``fused_decode``: gather, dequantize and attend without a float
-    copy of the cache), elsewhere, or when the kernel cannot be built
-    (``kernel_unavailable``), as one batched SDPA over their gathered, dequantized blocks
-    (``fast_decode``). Each prefill (chunk) is one SDPA with an offset causal mask
-    (``fast_prefill``). ``fast=False`` (default: the ``SLIMKV_ATTENTION_FAST`` environment
-    variable, on unless ``0``) or a KV format the device cannot decode (``fallback_reason``)
-    runs :func:`reference_paged_attention` instead: the fallback. ``path_counts`` counts,
-    per layer call, each path taken; ``layer_path_counts`` the same per layer.
+    copy of the cache) and each prefill chunk as SDPA pieces over its dequantized context
+    (``fast_prefill``). On CUDA (``triton``) the Triton kernels of
+    :mod:`slimkv.kernels.triton` read the pool's pages in place for both (``triton_decode``,
+    ``triton_prefill``) and the pool's writes go through them too. Where no decode kernel
+    can run (``kernel_unavailable``) decodes are one batched SDPA over their gathered,
+    dequantized blocks (``fast_decode``). ``fast=False`` (default: the
+    ``SLIMKV_ATTENTION_FAST`` environment variable, on unless ``0``) or a KV format the device
+    cannot decode (``fallback_reason``) runs :func:`reference_paged_attention` instead: the
+    fallback. ``path_counts`` counts, per layer call, each path taken; ``layer_path_counts``
+    the same per layer.
     """
 
     def __init__(self, cache: PagedKVCache, num_heads: int, scale: float, dtype: torch.dtype,
@@ -136,6 +103,7 @@ class PagedAttention:
             all(isinstance(c, FloatCodec) and c.storage_dtype == dtype for c in cache.all_codecs()))
         self._stage = stage_kernel() if lean else None
         self._q = torch.empty(0)
+        self._triton_prefill = None  # set with the Triton decode
         self._kernel = None if self.kernel_unavailable is not None else (
             self._triton_kernels() if self.triton else decode_kernel())
 
@@ -143,8 +111,10 @@ class PagedAttention:
         """The Triton decode; the pool's writes go through its kernels too."""
         from slimkv.kernels.triton.decode import TritonDecode
         from slimkv.kernels.triton.pool import TritonPoolWriter
+        from slimkv.kernels.triton.prefill import paged_prefill
 
         self.cache.writer = TritonPoolWriter(self.cache)
+        self._triton_prefill = paged_prefill
         return TritonDecode()
 
     def _fallback_reason(self) -> str | None:
@@ -208,17 +178,21 @@ class PagedAttention:
                 self._decode(layer, q, plan, out)
         prefills = [i for i, n in enumerate(meta.query_lens) if n > 1]
         if prefills:
-            self._count(layer, "fast_prefill")
+            self._count(layer, "fast_prefill" if self._triton_prefill is None else "triton_prefill")
         for i in prefills:
             rows = slice(meta.query_start_loc[i], meta.query_start_loc[i] + meta.query_lens[i])
             out[rows] = self._prefill(layer, q[rows], meta, i)
         return out
 
     def _prefill(self, layer: int, q: Tensor, meta: AttentionMetadata, i: int) -> Tensor:
-        """Sequence ``i``'s chunk, in the pieces planned for it by the step's first layer."""
+        """Sequence ``i``'s chunk: the pool's pages read in place by the Triton kernel, or in
+        the pieces planned for it by the step's first layer over a dequantized copy."""
+        staged = None if self.staging is None else meta.staged[i]
+        if self._triton_prefill is not None:
+            return self._triton_prefill(q, meta.block_tables[i], meta.seq_lens[i],
+                                        *self._layer_sides(layer), staged, self.scale)
         k, v = self.cache.read_prefix(layer, meta.block_tables[i:i + 1], meta.seq_lens[i],
                                       self.dtype)
-        staged = None if self.staging is None else meta.staged[i]
         if i not in meta.prefill_pieces:
             meta.prefill_pieces[i] = prefill.plan(meta.seq_lens[i], len(q),
                                                   None if staged is None else staged.start,

@@ -27,7 +27,7 @@ from slimkv.loadtest.cli import Progress
 from slimkv.loadtest.report import summarize
 from slimkv.loadtest.runner import RunSpec, run_level
 from slimkv.loadtest.workloads import WorkloadSpec
-from slimkv.model.loader import read_model_args
+from slimkv.model_io.loader import read_model_args
 from slimkv.stats import cdiv
 
 GiB = 1024 ** 3

@@ -3,9 +3,9 @@ API key, error shapes, ``/health``) over a :class:`ClusterBackend` instead of on
 
 The backend tokenizes each prompt (the chat template applied, as the engine would), hashes
 its first blocks for the request router and streams the call to the chosen engine replica.
-A replica that fails before the request produced anything is retried once on another
-replica (nothing was sent yet, so the retry is invisible); one that fails mid-stream ends
-the response with a 503 error (an SSE error event when streaming). ``/metrics`` and
+A replica that fails (or is draining) before the request produced anything is retried once
+on another replica (nothing was sent yet, so the retry is invisible); one that fails
+mid-stream ends the response with a 503 error (an SSE error event when streaming). ``/metrics`` and
 ``/v1/cache/state`` fan out to every live replica.
 """
 
@@ -29,7 +29,7 @@ from slimkv.cluster.policy import RouteKeys
 from slimkv.cluster.router import ROUTERS
 from slimkv.cluster.wire import RouteHint, WireError, WireRequest
 from slimkv.config import Config
-from slimkv.model.loader import load_tokenizer
+from slimkv.model_io.loader import load_tokenizer
 from slimkv.engine.outputs import RequestOutput
 from slimkv.server.app import create_app
 from slimkv.server.async_engine import GenerateRequest
@@ -113,6 +113,8 @@ class ClusterBackend:
                     continue
                 if isinstance(item, WireError):
                     finished = True
+                    if item.code == "shutting_down":   # a replica draining: try another
+                        raise ReplicaLost("draining")
                     raise item.error()
                 finished = request.finishes(item)
                 yield item

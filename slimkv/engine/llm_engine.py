@@ -18,8 +18,8 @@ from slimkv.config import Config, ConfigError
 from slimkv.engine.engine_stats import BlockInfo, EngineStats, LaneCounts
 from slimkv.kv.block_pool import BlockPool
 from slimkv.kv.connector import KVConnector
-from slimkv.kv.contiguous import ContiguousKVManager
 from slimkv.kv.manager import KVCacheManager
+from slimkv.model.protocol import ModelLoader
 from slimkv.engine.choices import Choices
 from slimkv.engine.outputs import Detokenizer, RequestOutput, token_logprobs
 from slimkv.engine.runner import ModelRunner
@@ -34,14 +34,20 @@ class RequestError(ValueError):
 
 class LLMEngine:
     """Plug-ins, from whoever builds the engine (:func:`slimkv.plugins.build_engine`):
-    ``processors`` makes the sampler's logits processors (a request asking for an option none
-    serves is refused), ``connector`` the KV store below the pool for ``kv_cache.offload``."""
+    ``loader`` gives it its model and tokenizer (required), ``processors`` makes the
+    sampler's logits processors (a request asking for an option none serves is refused),
+    ``connector`` the KV store below the pool for ``kv_cache.offload``, ``contiguous`` the
+    baseline KV manager for ``kv_cache.paged: false`` (the paged manager's interface)."""
 
-    def __init__(self, config: Config,
+    def __init__(self, config: Config, loader: ModelLoader | None = None,
                  processors: Callable[[ModelRunner], list[LogitsProcessor]] | None = None,
-                 connector: Callable[[ModelRunner], KVConnector] | None = None) -> None:
+                 connector: Callable[[ModelRunner], KVConnector] | None = None,
+                 contiguous: Callable[..., KVCacheManager] | None = None) -> None:
+        if not config.kv_cache.paged and contiguous is None:
+            raise ConfigError("kv_cache.paged: false: this engine was built without the "
+                              "contiguous baseline (slimkv.plugins.build_engine adds it)")
         self.config = config
-        self.runner = ModelRunner(config, processors)
+        self.runner = ModelRunner(config, loader, processors)
         self.model_args, self.tokenizer = self.runner.model_args, self.runner.tokenizer
         self.model_name = config.model.name or self.tokenizer.name
         self.max_model_len = self.runner.max_model_len
@@ -51,7 +57,7 @@ class LLMEngine:
         opts = dict(session_ttl_s=kv.session_ttl_s,
                     num_staging_slots=self.runner.num_staging_slots)
         self.manager = (KVCacheManager(self.pool, kv.block_size, **opts) if kv.paged else
-                        ContiguousKVManager(self.pool, kv.block_size, self.max_model_len, **opts))
+                        contiguous(self.pool, kv.block_size, self.max_model_len, **opts))
         self.connector = self._connect(connector) if kv.offload is not None else None
         self.scheduler = Scheduler(kv, config.scheduler, self.manager)
         self.detokenizer = Detokenizer(self.tokenizer)

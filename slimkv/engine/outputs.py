@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from slimkv.model.tokenizer import Tokenizer
+from slimkv.model.protocol import Tokenizer
 from slimkv.engine.sampling import SampledToken
 from slimkv.engine.sequence import Sequence
 

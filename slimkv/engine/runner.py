@@ -15,13 +15,12 @@ import torch
 
 from slimkv.attention.paged import AttentionMetadata, PagedAttention
 from slimkv.config import Config, ConfigError
-from slimkv.kernels.qgemm import qgemm_native, qgemm_unavailable_reason
 from slimkv.kernels.step import LeanStep
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
 from slimkv.engine.memory import activation_peak, device_kv_budget, weight_bytes
-from slimkv.model import load_model
 from slimkv.model.lean import set_activations
+from slimkv.model.protocol import ModelLoader
 from slimkv.engine.sampling import LogitsProcessor, SampledToken, Sampler
 from slimkv.engine.sequence import Sequence
 
@@ -47,23 +46,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if native else torch.float32
 
 
-def resolve_weights(config_weights: str, config_dtype: str, device: torch.device) -> str:
-    """``model.weights`` as a class of :mod:`slimkv.model.weights`: ``auto`` keeps the
-    file's 4/8-bit blocks where the CPU kernel runs natively and the model dtype is not
-    pinned; quantized classes need the CPU kernel."""
-    if config_weights in ("int4", "int8"):
-        reason = (f"the device is {device}" if device.type != "cpu" else
-                  qgemm_unavailable_reason())
-        if reason:
-            raise ConfigError(f"model.weights={config_weights} needs the CPU weight kernel "
-                              f"(slimkv/kernels/qgemm.c): {reason}")
-        return config_weights
-    if config_weights == "auto" and config_dtype == "auto" and device.type == "cpu" \
-            and qgemm_native():
-        return "file"
-    return "float"
-
-
 def weights_class(model: torch.nn.Module) -> str:
     """What the loaded weights are held in, e.g. ``int4 layers, int8 head`` or ``bfloat16``."""
     head = getattr(model, "lm_head", None)
@@ -85,17 +67,18 @@ def _cpu_flags() -> set[str]:
 class ModelRunner:
     """Model, KV pool and attention for one engine; see the module doc."""
 
-    def __init__(self, config: Config, processors: Callable[[ModelRunner], list[LogitsProcessor]]
-                 | None = None) -> None:
+    def __init__(self, config: Config, loader: ModelLoader | None,
+                 processors: Callable[[ModelRunner], list[LogitsProcessor]] | None = None) -> None:
+        if loader is None:
+            raise TypeError("an engine needs a model loader: build it with "
+                            "slimkv.plugins.build_engine(config)")
         self.config = config
         self.device = resolve_device(config.model.device)
         weights, dtype = config.model.weights, config.model.dtype
         self.dtype = resolve_dtype(weights if weights in ("float32", "bfloat16") and
                                    dtype == "auto" else dtype, self.device)
-        self.weights = resolve_weights(weights, dtype, self.device)
         model_dtype = str(self.dtype).removeprefix("torch.")
-        self.model_args, self.model, self.tokenizer = load_model(
-            config.model.path, self.dtype, self.device, self.weights)
+        self.model_args, self.model, self.tokenizer = loader(config, self.device, self.dtype)
         self.weights_class = weights_class(self.model)
         set_activations(self.model, config.model.activations == "precise")
         args, kv = self.model_args, config.kv_cache

@@ -6,7 +6,7 @@ import functools
 import re
 from pathlib import Path
 
-from slimkv.model.tokenizer import Tokenizer
+from slimkv.model_io.tokenizer import Tokenizer
 
 CORPUS_PATH = Path(__file__).resolve().parent.parent / "data" / "eval_corpus.txt"
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")

@@ -16,7 +16,7 @@ from slimkv.eval.prompts import MAX_NEW_TOKENS, Probe, is_match
 from slimkv.eval.recall import conversation_probes, document_probes
 from slimkv.eval.retrieval import passkey_probes
 from slimkv.llm import LLM
-from slimkv.model.tokenizer import Tokenizer
+from slimkv.model_io.tokenizer import Tokenizer
 from slimkv.engine.sampling import SamplingParams
 
 TASKS = ("passkey", "head_recall", "multi_turn")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from slimkv.model.tokenizer import Tokenizer
+from slimkv.model_io.tokenizer import Tokenizer
 
 SLOT = "<<slot>>"
 # Generated tokens per probe: enough for a 5-digit key or a two-word name and punctuation.

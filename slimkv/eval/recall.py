@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from slimkv.eval.corpus import Filler
 from slimkv.eval.prompts import MAX_NEW_TOKENS, SLOT, Probe, encode, flat, frame
-from slimkv.model.tokenizer import Tokenizer
+from slimkv.model_io.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True, slots=True)

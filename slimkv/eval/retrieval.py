@@ -6,7 +6,7 @@ import random
 
 from slimkv.eval.corpus import Filler
 from slimkv.eval.prompts import MAX_NEW_TOKENS, SLOT, Probe, encode, flat, frame
-from slimkv.model.tokenizer import Tokenizer
+from slimkv.model_io.tokenizer import Tokenizer
 
 _USER = ("A pass key is hidden in the text below. Find it and remember it.\n\n" + SLOT
          + "\n\nWhat is the pass key hidden in the text? Answer with the number.")

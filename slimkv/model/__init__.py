@@ -1,8 +1,7 @@
-"""Model definition, checkpoint loading and tokenization."""
+"""The model: the Llama-family decoder and its quantized weights; what loads it, as the core
+sees it (:mod:`slimkv.model.protocol`). Checkpoint files and tokenizers are read outside
+the core (:mod:`slimkv.model_io`)."""
 
 from slimkv.model.llama import AttentionFn, ModelArgs, Transformer
-from slimkv.model.loader import default_model_path, load_model
-from slimkv.model.tokenizer import Tokenizer
 
-__all__ = ["AttentionFn", "ModelArgs", "Tokenizer", "Transformer", "default_model_path",
-           "load_model"]
+__all__ = ["AttentionFn", "ModelArgs", "Transformer"]

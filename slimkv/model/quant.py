@@ -2,7 +2,8 @@
 
 This is llama.cpp's Q4_1 exactly (Q4_0 is ``m = -8d``, Q8_0 is 8-bit codes with
 ``m = -128d``), so a GGUF's blocks are adopted as they are, without a round trip through
-float. Float weights are quantized min/max per group. Matmuls run in
+float; float weights are quantized min/max per group (both at load time, outside the core:
+:mod:`slimkv.model_io.convert`). Matmuls run in
 :mod:`slimkv.kernels.qgemm` (int8 activations per group of 32, VNNI dot products, or
 AVX2's vpmaddubsw).
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -21,7 +21,6 @@ from slimkv.kernels.qgemm import (PLAIN, PRECISE, ROW_DTYPES, QGemm, pack, qgemm
 from slimkv.kernels.tile_gemm import tile_gemm_kernel
 
 GROUP = 32
-GGUF_CLASSES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # GGUF tensor types adopted as they are
 
 
 @dataclass(slots=True)
@@ -52,52 +51,6 @@ class QuantTensor:
         w = q * self.d[rows].float()[..., None] + self.m[rows].float()[..., None]
         return w.view(q.shape[0], -1)
 
-    def to_bits(self, bits: int) -> QuantTensor:
-        if bits == self.bits:
-            return self
-        if bits == 8:  # 4-bit codes are 8-bit codes with the same d and m: exact
-            return QuantTensor(self.codes().contiguous(), self.d, self.m, 8)
-        return quantize(self.dequantize(), bits)
-
-
-def quantize(w: Tensor, bits: int) -> QuantTensor:
-    """Min/max per group of 32 (K must be a multiple of 32)."""
-    rows, k = w.shape
-    if k % GROUP:
-        raise ValueError(f"cannot quantize a [{rows}, {k}] weight: K is not a multiple of 32")
-    g = w.float().view(rows, k // GROUP, GROUP)
-    lo, hi = g.amin(-1), g.amax(-1)
-    top = (1 << bits) - 1
-    d = ((hi - lo) / top).half()
-    m = lo.half()
-    inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros_like(lo))
-    q = ((g - m.float()[..., None]) * inv[..., None]).round().clamp(0, top).to(torch.uint8)
-    if bits == 4:
-        q = q[..., :GROUP // 2] | (q[..., GROUP // 2:] << 4)
-    return QuantTensor(q.reshape(rows, -1).contiguous(), d, m, bits)
-
-
-def from_gguf(raw: np.ndarray, type_name: str) -> QuantTensor:
-    """A GGUF tensor's blocks (``raw`` uint8 ``[N, bytes per row]``) as they are."""
-    rows = raw.shape[0]
-    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
-    blocks = np.ascontiguousarray(raw).reshape(rows, -1, size)
-    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])
-    if type_name == "Q4_1":
-        m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0])
-        q = blocks[..., 4:]
-    else:
-        m = d * (-8 if type_name == "Q4_0" else -128)  # exact in float16: a power of two
-        q = blocks[..., 2:] ^ np.uint8(0x80) if type_name == "Q8_0" else blocks[..., 2:]
-    q = torch.from_numpy(np.ascontiguousarray(q).reshape(rows, -1))
-    return QuantTensor(q, d, m, GGUF_CLASSES[type_name])
-
-
-def cat_rows(parts: list[QuantTensor]) -> QuantTensor:
-    """Stack along N (a fused projection); mixed classes meet at 8 bits (4 -> 8 is exact)."""
-    bits = max(p.bits for p in parts)
-    parts = [p.to_bits(bits) for p in parts]
-    return QuantTensor(*(torch.cat([getattr(p, f) for p in parts]) for f in "qdm"), bits)
 
 
 def _kernel() -> QGemm:

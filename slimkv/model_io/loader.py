@@ -1,4 +1,5 @@
-"""Load a Llama / Qwen2 checkpoint (GGUF file or Hugging Face directory) into a ``Transformer``."""
+"""Load a Llama / Qwen2 checkpoint (GGUF file or Hugging Face directory) into a ``Transformer``;
+:func:`load` is the engine's :class:`~slimkv.model.protocol.ModelLoader`."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from slimkv.config import Config
 from slimkv.model.llama import SUPPORTED_ARCHS, ModelArgs, Transformer
-from slimkv.model.quant import GGUF_CLASSES, from_gguf
-from slimkv.model.weights import Weight, build, cat
-from slimkv.model.tokenizer import Tokenizer
+from slimkv.model_io.convert import GGUF_CLASSES, from_gguf
+from slimkv.model_io.tokenizer import Tokenizer
+from slimkv.model_io.weights import Weight, build, cat, resolve_weights
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 Getter = Callable[[str], Weight]
@@ -35,9 +37,17 @@ def default_model_path() -> str:
     return path
 
 
+def load(config: Config, device: torch.device,
+         dtype: torch.dtype) -> tuple[ModelArgs, Transformer, Tokenizer]:
+    """The engine's loader: ``model.path`` with its weights in the class ``model.weights``
+    resolves to (:func:`~slimkv.model_io.weights.resolve_weights`)."""
+    weights = resolve_weights(config.model.weights, config.model.dtype, device)
+    return load_model(config.model.path, dtype, device, weights)
+
+
 def load_model(path: str | None, dtype: torch.dtype, device: torch.device,
                weights: str = "float") -> tuple[ModelArgs, Transformer, Tokenizer]:
-    """Load weights (in the class ``weights``, see :mod:`slimkv.model.weights`) and
+    """Load weights (in the class ``weights``, see :mod:`slimkv.model_io.weights`) and
     tokenizer; results are cached, so callers must not mutate the model."""
     return _load_cached(_model_path(path), dtype, torch.device(device), weights)
 

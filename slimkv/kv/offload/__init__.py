@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from slimkv.kv.offload.chunk import ChunkLayout, model_digest
 from slimkv.kv.offload.config import OffloadConfig
 from slimkv.kv.offload.tier import OffloadTier
-from slimkv.model import default_model_path
+from slimkv.model_io import default_model_path
 
 if TYPE_CHECKING:
     from slimkv.engine.runner import ModelRunner

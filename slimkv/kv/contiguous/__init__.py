@@ -7,7 +7,9 @@ would fit in the pool is a *false OOM*: the memory exists but the reservations h
 (the case's "several a day").
 
 It has the paged manager's interface and composes one (:mod:`slimkv.kv.manager`) for what
-the two share: staging slots, sessions, freeing tail-first. Prefix caching is off.
+the two share: staging slots, sessions, freeing tail-first. Prefix caching is off. A
+plug-in, not serving: :func:`slimkv.plugins.build_engine` hands it to the engine, and the
+simulator drives it; the core never imports it.
 """
 
 from __future__ import annotations

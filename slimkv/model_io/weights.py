@@ -4,6 +4,7 @@
 Q4_0/Q4_1/Q8_0 blocks as they are; float files stay float), ``int4`` / ``int8`` (every
 projection, the embedding and the LM head in that class: from the file's blocks where they
 already are in it, 4 -> 8 bits exactly, else quantized min/max per group of 32).
+:func:`resolve_weights` picks one for ``model.weights``.
 """
 
 from __future__ import annotations
@@ -11,12 +12,32 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from slimkv.config import ConfigError
+from slimkv.kernels.qgemm import qgemm_native, qgemm_unavailable_reason
 from slimkv.model.lean import LAYER_LINEARS, quantize_model
 from slimkv.model.llama import ModelArgs, Transformer
-from slimkv.model.quant import QuantTensor, cat_rows, quantize
+from slimkv.model.quant import QuantTensor
+from slimkv.model_io.convert import cat_rows, quantize, to_bits
 
 WEIGHT_CLASSES = ("float", "file", "int4", "int8")
 Weight = Tensor | QuantTensor
+
+
+def resolve_weights(config_weights: str, config_dtype: str, device: torch.device) -> str:
+    """``model.weights`` as one of :data:`WEIGHT_CLASSES`: ``auto`` keeps the file's 4/8-bit
+    blocks where the CPU kernel runs natively and the model dtype is not pinned; quantized
+    classes need the CPU kernel."""
+    if config_weights in ("int4", "int8"):
+        reason = (f"the device is {device}" if device.type != "cpu" else
+                  qgemm_unavailable_reason())
+        if reason:
+            raise ConfigError(f"model.weights={config_weights} needs the CPU weight kernel "
+                              f"(slimkv/kernels/qgemm.c): {reason}")
+        return config_weights
+    if config_weights == "auto" and config_dtype == "auto" and device.type == "cpu" \
+            and qgemm_native():
+        return "file"
+    return "float"
 
 
 def cat(parts: list[Weight]) -> Weight:
@@ -35,7 +56,7 @@ def _convert(w: Weight, klass: str, bits: int | None) -> Weight:
     if klass == "float":
         return w.dequantize() if isinstance(w, QuantTensor) else w
     if isinstance(w, QuantTensor):
-        return w if bits is None else w.to_bits(bits)
+        return w if bits is None else to_bits(w, bits)
     return w if bits is None else quantize(w, bits)
 
 

@@ -1,0 +1,45 @@
+"""Where the engine's model comes from, as the core sees it: a :class:`ModelLoader` and the
+:class:`Tokenizer` it returns.
+
+The core never reads a checkpoint file: the engine's builder hands it a loader
+(:func:`slimkv.plugins.build_engine` passes :func:`slimkv.model_io.load`, GGUF and Hugging
+Face checkpoints with their Hugging Face tokenizer), as it hands it the KV connector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from slimkv.config import Config
+    from slimkv.model.llama import ModelArgs, Transformer
+
+
+class Tokenizer(Protocol):
+    """The calls the engine, its outputs and the server make on a tokenizer."""
+
+    name: str
+    eos_token_ids: frozenset[int]   # any of them ends generation (unless ``ignore_eos``)
+
+    def encode(self, text: str) -> list[int]:
+        """A prompt's ids (the tokenizer decides about BOS)."""
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``, special tokens skipped."""
+
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """Each token's own text (special tokens included), for log-probabilities."""
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """The prompt ids of a chat (``ValueError`` when the model has no template)."""
+
+
+class ModelLoader(Protocol):
+    def __call__(self, config: Config, device: torch.device,
+                 dtype: torch.dtype) -> tuple[ModelArgs, Transformer, Tokenizer]:
+        """``config.model``'s shapes, its decoder on ``device`` in ``dtype`` (weights in the
+        class ``model.weights`` asks for; not to be mutated: loaders may cache it) and its
+        tokenizer."""
