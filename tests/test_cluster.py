@@ -1,7 +1,8 @@
 """Two engine replicas on a real local Ray cluster behind one OpenAI endpoint (Ray Serve).
 
-One module-scoped cluster (about 50 s to start on 2 cores: Ray, Serve, two model loads);
-the replica-kill test runs last because Serve then restarts a replica.
+One module-scoped cluster (about 50 s to start on 2 cores: Ray, Serve, two model loads),
+its replicas sharing one disk KV tier (a temporary directory); the replica-kill test runs
+last because Serve then restarts a replica.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ TIMEOUT = httpx.Timeout(120, connect=10)
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[LiveServer]:
+def cluster(tmp_path_factory) -> Iterator[LiveServer]:
     from slimkv.cluster.launch import deploy, shutdown
 
+    tier = {"host_gb": 0.0, "disk_path": str(tmp_path_factory.mktemp("kv")), "disk_gb": 1.0}
     config = small_config(server={"api_key": API_KEY, "port": free_port()},
+                          kv_cache={"offload": tier},
                           cluster={"replicas": 2, "num_cpus": 2, "stats_period_s": 0.5})
     url = deploy(config)
     try:
@@ -162,8 +165,9 @@ def test_a_client_disconnect_frees_the_blocks_on_its_replica(cluster):
 
 
 def stream_events(cluster: LiveServer, session: str, max_tokens: int, first: threading.Event,
-                  out: dict) -> None:
-    body = {"model": cluster.model, "messages": [{"role": "user", "content": document(9, 400)}],
+                  out: dict, messages: list[dict] | None = None) -> None:
+    messages = messages or [{"role": "user", "content": document(9, 400)}]
+    body = {"model": cluster.model, "messages": messages,
             "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "session_id": session}
     with cluster.http() as http, http.stream("POST", CHAT, json=body, timeout=TIMEOUT) as s:
         out["replica"] = s.headers[REPLICA_HEADER]
@@ -179,8 +183,21 @@ def test_killing_a_replica_mid_stream_loses_no_session(cluster):
     names = replicas(cluster)
     victim_session = next(f"victim-{i}" for i in range(100) if home(names, f"victim-{i}") == names[0])
     other_session = next(f"other-{i}" for i in range(100) if home(names, f"other-{i}") == names[1])
+    # The victim's first turn, written through to the shared tier when it finishes.
+    turn1 = [{"role": "system", "content": document(31, 2400)},
+             {"role": "user", "content": "What is this text about?"}]
+    first = chat(cluster, turn1, session_id=victim_session)
+    assert first.status_code == 200 and first.headers[REPLICA_HEADER] == names[0]
+    turn2 = turn1 + [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "Name one fact in it."}]
+    stored = "slimkv:kv_offload_stored_blocks_total"
+    deadline = time.monotonic() + 30
+    while cluster.metric(stored, replica=names[0], tier="disk") < 32 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    loaded = cluster.metric("slimkv:kv_offload_loaded_blocks_total", replica=names[1], tier="disk")
     victim, other, started = {}, {}, [threading.Event(), threading.Event()]
-    threads = [threading.Thread(target=stream_events, args=(cluster, victim_session, 400, started[0], victim)),
+    threads = [threading.Thread(target=stream_events,
+                                args=(cluster, victim_session, 400, started[0], victim, turn2)),
                threading.Thread(target=stream_events, args=(cluster, other_session, 60, started[1], other))]
     for t in threads:
         t.start()
@@ -194,9 +211,13 @@ def test_killing_a_replica_mid_stream_loses_no_session(cluster):
     assert error["code"] == "replica_unavailable" and victim["events"][-1] == "data: [DONE]"
     assert other["events"][-1] == "data: [DONE]"
     assert not any('"error"' in e for e in other["events"])
-    # The session's next turn is answered (re-routed, its history recomputed).
-    r = chat(cluster, [{"role": "user", "content": document(9, 400)}], session_id=victim_session)
-    assert r.status_code == 200 and r.headers[REPLICA_HEADER] != names[0]
+    # The session's turn is answered again, re-routed: its history comes from the shared
+    # tier, where the dead replica wrote it (the other replica never saw this session).
+    r = chat(cluster, turn2, session_id=victim_session)
+    assert r.status_code == 200 and r.headers[REPLICA_HEADER] == names[1]
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 512
+    assert cluster.metric("slimkv:kv_offload_loaded_blocks_total", replica=names[1],
+                          tier="disk") >= loaded + 32
     # Serve replaces the dead replica.
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:

@@ -10,6 +10,7 @@ from slimkv.bench.cluster import add_cluster_cli
 from slimkv.bench.kernels_cli import add_ab_cli, add_kernels_cli
 from slimkv.bench.offload import add_offload_cli
 from slimkv.bench.simulate_cli import add_simulate_cli
+from slimkv.bench.soak import add_soak_cli
 from slimkv.cli import add_config_args, config_from_args, csv_of, write_result
 
 
@@ -52,6 +53,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     add_cluster_cli(bench)
     add_offload_cli(bench)
     add_simulate_cli(bench)
+    add_soak_cli(bench)
     add_kernels_cli(bench)
     add_ab_cli(bench)
 

@@ -25,6 +25,7 @@ from slimkv.config import Config
 
 APP_NAME = "slimkv"
 NAMESPACE = "slimkv"
+SHUTDOWN_MARGIN_S = 10.0  # past the drain: the replica's last chunks reach the KV tier
 
 
 def start_ray(config: Config) -> None:
@@ -53,7 +54,7 @@ def application(config: Config) -> serve.Application:
         max_ongoing_requests=cluster.max_ongoing_requests,
         ray_actor_options={"num_cpus": cluster.replica_num_cpus},
         request_router_config=router, health_check_period_s=2, health_check_timeout_s=30,
-        graceful_shutdown_timeout_s=5)
+        graceful_shutdown_timeout_s=config.server.drain_timeout_s + SHUTDOWN_MARGIN_S)
     ingress = serve.deployment(Ingress).options(
         name="Ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=cluster.max_ongoing_requests * cluster.replicas)

@@ -9,10 +9,19 @@ generator here and the engine request is aborted, returning its blocks.
 ``record_routing_stats`` is Serve's hook: the request router sees its dict
 (:func:`slimkv.cluster.policy.routing_stats` of the engine's latest ``EngineStats``),
 refreshed every ``cluster.stats_period_s``, as ``RunningReplica.routing_stats``.
+
+**The shared KV tier.** With ``kv_cache.offload.disk_path`` set, every replica reads and
+writes the one directory (a volume every node mounts), and writes each finished turn's
+chunks through to it (``write: through``, unless the config sets ``write``): a session
+whose replica died or was drained is re-routed and reloads its history from the directory
+instead of recomputing it. **Shutdown.** Serve stops routing here and waits for the ongoing
+requests (``graceful_shutdown_timeout_s``), then calls ``__del__``: the engine drains
+(:mod:`slimkv.server.drain`) and stops, writing the chunks still pending to the tier.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,13 +34,23 @@ from slimkv.engine.outputs import RequestOutput
 from slimkv.plugins import build_engine
 from slimkv.server.async_engine import AsyncEngine, GenerateRequest
 from slimkv.server.canary import Canary
+from slimkv.server.drain import drain
 from slimkv.server.errors import APIError
 from slimkv.server.metrics import ServerMetrics
 
 
+def shared_tier(config: Config) -> Config:
+    """A cluster's replicas over one disk tier write every turn through to it (a replica
+    killed at any moment has then stored every turn it finished)."""
+    offload = config.kv_cache.offload
+    if isinstance(offload, dict) and offload.get("disk_path") and "write" not in offload:
+        return config.replace("kv_cache", offload={**offload, "write": "through"})
+    return config
+
+
 class EngineReplica:
     def __init__(self, config: dict[str, Any]) -> None:
-        self.config = Config.from_dict(config)
+        self.config = shared_tier(Config.from_dict(config))
         llm_engine = build_engine(self.config)
         metrics = ServerMetrics(llm_engine.model_name)
         canary = (Canary(self.config, metrics.registry, llm_engine.model_name)
@@ -67,7 +86,9 @@ class EngineReplica:
         # while a long prefill holds the engine thread (Serve times this call out).
         return routing_stats(self.engine.latest_stats)
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
+        """Serve's shutdown, once the ongoing requests are done (or it gave up on them)."""
         engine = getattr(self, "engine", None)
         if engine is not None:
-            engine.stop()
+            await drain(engine, self.config.server.drain_timeout_s)
+            await asyncio.to_thread(engine.stop)

@@ -85,6 +85,7 @@ class AsyncEngine:
         self._deltas = CounterDeltas()
         self._streams: dict[str, GenerateRequest] = {}  # owned by the engine thread
         self._stopping = False
+        self.draining = False  # set by slimkv.server.drain: new requests get 503
         self._thread = threading.Thread(target=self._run, name="slimkv-engine", daemon=True)
         self.history = CacheHistory()  # the dashboard's recent events
         self.step_hooks.append(self.history)
@@ -107,17 +108,29 @@ class AsyncEngine:
         if self.canary:
             self.canary.start()
 
+    @property
+    def num_streams(self) -> int:
+        """Requests admitted and not finished (queued or running)."""
+        return len(self._streams)
+
     def stop(self) -> None:
+        """Stop the engine thread (open requests get 503), then store the KV tier's pending."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
         if self.canary:
             self.canary.stop()
+        if self.engine.connector is not None:
+            self.engine.connector.close()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes. Closing the iterator early (the
         client went away) aborts the request, which frees its KV blocks."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry the request",
+                           "shutting_down", headers={"Retry-After": "1"})
         request.loop = asyncio.get_running_loop()
         request.queue = asyncio.Queue()
         self._post(lambda: self._adds.append(request))
@@ -272,7 +285,13 @@ class AsyncEngine:
             if not self.engine.has_request(request_id):
                 self._streams.pop(request_id, None)
 
-    def _fail_all(self, error: APIError) -> None:
-        for request_id, request in list(self._streams.items()):
+    async def end_streams(self, error: APIError) -> int:
+        """End every open request with ``error`` (on the engine thread); how many were."""
+        return await self.call(lambda _: self._fail_all(error))
+
+    def _fail_all(self, error: APIError) -> int:
+        streams = list(self._streams.items())
+        for request_id, request in streams:
             self._abort(request_id)
             request.deliver(error)
+        return len(streams)

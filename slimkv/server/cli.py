@@ -42,6 +42,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"  OpenAI clients: base_url=http://{server.host}:{server.port}/v1"
           f"{'  (api_key required)' if server.api_key else ''}\n"
           f"  metrics: http://{server.host}:{server.port}/metrics", flush=True)
-    uvicorn.run(app, host=server.host, port=server.port, log_level="warning",
-                timeout_graceful_shutdown=10)
+    from slimkv.server.drain import DrainingServer
+
+    DrainingServer(uvicorn.Config(app, host=server.host, port=server.port, log_level="warning"),
+                   app.state.backend, server.drain_timeout_s).run()
     return 0

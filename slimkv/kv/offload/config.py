@@ -12,15 +12,19 @@ from typing import Any
 from slimkv.config import (ConfigError, KVCacheConfig, _check, _check_choice, _check_int,
                            _check_positive, _reject_unknown)
 
-OFFLOAD_WRITES = ("evict", "idle")
+OFFLOAD_WRITES = ("evict", "idle", "through")
 
 
 @dataclass(slots=True)
 class OffloadConfig:
     """``host_gb`` of host memory, then ``disk_gb`` under ``disk_path`` (no disk tier when
     None). ``write: evict`` stores a chunk when the pool evicts it; ``idle`` also stores the
-    chunks of sequences idle for ``idle_s``. ``queue_chunks``: the writer's queue (a chunk
-    arriving when it is full is dropped and counted)."""
+    chunks of sequences idle for ``idle_s``; ``through`` stores every new chunk of a sequence
+    when it frees its blocks (each finished turn), on disk too (not only in host memory), so
+    other processes sharing ``disk_path`` (cluster replicas, a restart after a crash) find
+    it: the default of a cluster's replicas with a ``disk_path`` (slimkv/cluster/replica.py).
+    ``queue_chunks``: the writer's queue (a chunk arriving when it is full is dropped and
+    counted)."""
 
     host_gb: float = 4.0
     disk_path: str | None = None

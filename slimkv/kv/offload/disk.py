@@ -7,16 +7,27 @@ reader never sees half a file. A file that is truncated, fails its checksum or c
 another key or format is *corrupt*: it is counted, deleted and never served (the caller
 recomputes). When the disk is full or unwritable the tier logs once and stops writing;
 reads go on. On start the directory is indexed (headers only), so a restarted server, or
-another replica sharing the directory, finds the chunks already there; a file another
-process wrote later is found on lookup.
+another replica sharing the directory, finds the chunks already there.
+
+**A shared directory.** Lookups never depend on this process's index: a chunk is found by
+its file name (the key, the chained hash of its last block under the KV format), so a file
+another process wrote is found on lookup. A chunk already on disk is not written again;
+temporary files name their host and process, and one left by a process that died
+mid-write (``kill -9``) is removed at the next start (any left older than
+``STALE_TMP_S``). The size cap counts every file in the directory: the index adopts other
+processes' files (and forgets deleted ones) every ``REFRESH_S`` while writing, so the
+least recently used file goes first whoever wrote it. A crash never leaves a truncated
+``.kv`` file (rename is atomic); a torn one after a power loss fails its checksum.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import struct
 import threading
+import time
 import zlib
 from collections import OrderedDict
 
@@ -28,6 +39,10 @@ log = logging.getLogger(__name__)
 MAGIC = b"SLIMKVC1"
 HEADER = struct.Struct("<8s16s16sIQ")  # magic, key, format digest, crc32, payload bytes
 SUFFIX = ".kv"
+TMP_SUFFIX = ".tmp"
+STALE_TMP_S = 600.0   # a temporary file this old is a dead writer's, on any host
+REFRESH_S = 5.0       # adopt other processes' files into the index this often (writes)
+HOST = socket.gethostname().replace(".", "_") or "host"
 
 
 class CorruptChunk(Exception):
@@ -44,6 +59,8 @@ class DiskTier:
         self.file_bytes = HEADER.size + chunk_bytes
         self.writable = True
         self.num_corrupt = 0     # files found corrupt (on start or on load)
+        self.num_stale_tmp = 0   # dead writers' temporary files removed on start
+        self._refreshed = time.monotonic()
         self._index: OrderedDict[bytes, None] = OrderedDict()  # LRU first
         self._lock = threading.Lock()
         os.makedirs(path, exist_ok=True)
@@ -69,6 +86,12 @@ class DiskTier:
         files are left alone, unreadable ones counted as corrupt and removed."""
         found = []
         for entry in os.scandir(self.path):
+            if entry.name.endswith(TMP_SUFFIX) and _stale_tmp(entry):
+                try:
+                    os.unlink(entry.path)
+                    self.num_stale_tmp += 1
+                except OSError:
+                    pass
             if not entry.name.endswith(SUFFIX) or not entry.is_file():
                 continue
             try:
@@ -146,11 +169,17 @@ class DiskTier:
             return True, 0
         if not self.writable or self.file_bytes > self.capacity_bytes:
             return False, 0
+        path = self._file(key)
+        if os.path.exists(path):          # another process sharing the directory wrote it
+            with self._lock:
+                self._index[key] = None
+            return True, 0
+        if time.monotonic() - self._refreshed > REFRESH_S:
+            self._refresh()
         evicted = self._shrink(self.file_bytes)
         data = payload.numpy().tobytes()
         header = HEADER.pack(MAGIC, key, self.format_digest, zlib.crc32(data), len(data))
-        path = self._file(key)
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp = f"{path}.{HOST}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
         try:
             with open(tmp, "wb") as f:
                 f.write(header)
@@ -169,6 +198,30 @@ class DiskTier:
             self._index[key] = None
         return True, evicted
 
+    def _refresh(self) -> None:
+        """Adopt the chunk files other processes wrote since (as recently used) and forget
+        the ones they deleted, so the cap holds for the directory as a whole."""
+        self._refreshed = time.monotonic()
+        try:
+            keys = {bytes.fromhex(e.name[:-len(SUFFIX)]) for e in os.scandir(self.path)
+                    if e.name.endswith(SUFFIX) and len(e.name) == 32 + len(SUFFIX)}
+        except (OSError, ValueError):
+            return
+        with self._lock:
+            for key in [k for k in self._index if k not in keys]:
+                del self._index[key]
+            new = keys.difference(self._index)
+        for key in new:
+            try:
+                with open(self._file(key), "rb") as f:
+                    mine = self._parse(f.read(HEADER.size), key,
+                                       os.fstat(f.fileno()).st_size) is not None
+            except (OSError, CorruptChunk):
+                continue   # gone, or being replaced: a lookup will judge it
+            if mine:
+                with self._lock:
+                    self._index[key] = None
+
     def _shrink(self, room: int) -> int:
         """Delete least recently used files until ``room`` more bytes fit under the cap."""
         evicted = 0
@@ -181,3 +234,25 @@ class DiskTier:
                 pass
             evicted += 1
         return evicted
+
+
+def _stale_tmp(entry: os.DirEntry) -> bool:
+    """A temporary file whose writer is gone: named by a dead process of this host, or old."""
+    try:
+        if time.time() - entry.stat().st_mtime > STALE_TMP_S:
+            return True
+    except OSError:
+        return False
+    parts = entry.name[:-len(TMP_SUFFIX)].split(".")   # <key>.kv.<host>.<pid>.<thread>
+    if len(parts) < 5 or parts[-3] != HOST or not parts[-2].isdigit():
+        return False
+    pid = int(parts[-2])
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        pass
+    return False

@@ -6,10 +6,12 @@ each chunk (``CHUNK_BLOCKS`` blocks, the last one possibly partial) not stored y
 *pending*. A pending chunk
 is copied out of the pool (a gather, on the engine thread, while its blocks still hold it)
 when the pool evicts any of its blocks (``write: evict``), or once it has been idle for
-``idle_s`` (``write: idle``; checked whenever a sequence is freed), or on :meth:`close`
-(also at process exit). The copy goes to a background
-writer through a bounded queue (full: the chunk is dropped and counted), which stores it in
-the host tier; chunks the host tier pushes out spill to disk.
+``idle_s`` (``write: idle``; checked whenever a sequence is freed), or at once when the
+sequence frees its blocks (``write: through``), or on :meth:`close` (also at process exit).
+The copy goes to a background writer through a bounded queue (full: the chunk is dropped
+and counted), which stores it in the host tier; chunks the host tier pushes out spill to
+disk. Under ``write: through`` every chunk also goes straight to disk, where every process
+sharing the directory finds it (a replica's death loses none of its finished turns).
 
 **Reads.** After the pool's prefix match, admission (:meth:`load`) walks on along the
 chain one chunk at a time (the full chunk, else the longest partial one): a chunk still
@@ -103,6 +105,8 @@ class OffloadTier:
             elif not self.contains(key) and self._blocks_of(chunk) is not None:
                 self._pending[key] = (chunk, now)
                 self._chunk_of.update(dict.fromkeys(chunk, key))
+                if self.config.write == "through":
+                    self._write_pending(key)
 
     def on_evict(self, block: Block) -> None:
         """The pool is about to reuse ``block`` (its content still intact): write back the
@@ -167,6 +171,8 @@ class OffloadTier:
             self.counts["host"].stored += CHUNK_BLOCKS
         else:
             spilled = [(key, payload)]
+        if self.config.write == "through" and self.disk is not None:
+            spilled = [(key, payload)]   # what host pushes out went to disk on arrival
         for spilled_key, spilled_payload in spilled:
             if self.disk is None:
                 self.counts["host"].dropped += CHUNK_BLOCKS
@@ -247,6 +253,8 @@ class OffloadTier:
         self._writer.join()
         if self.host is not None and self.disk is not None:
             for key in self.host.keys():   # host memory dies with the process too
+                if key in self.disk:
+                    continue
                 payload = self.host.get(key)
                 if payload is not None and self.disk.put(key, payload)[0]:
                     self.counts["disk"].stored += CHUNK_BLOCKS
