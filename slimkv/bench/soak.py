@@ -22,6 +22,8 @@ import argparse
 import json
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +65,28 @@ def crash_verdicts(c: dict[str, Any]) -> dict[str, bool]:
             and c["turns_equal"] == c["turns_compared"]}
 
 
+VERDICTS = {"overload": ("overload_only_429", "no_leaked_blocks", "rss_flat"),
+            "kills": ("replica_kill_all_answered", "reroute_reloads_kv"),
+            "crash": ("crash_no_bad_chunk_loaded", "crash_outputs_equal")}
+
+
+def _phase(phase: str, config: Config, overload: OverloadSpec, kills: KillSpec,
+           crash: CrashSpec, work: str) -> tuple[dict[str, Any], dict[str, bool]]:
+    if phase == "overload":
+        out = run_overload(config, overload)
+        return out, overload_verdicts(out)
+    if phase == "kills":
+        out = run_kills(config, kills, str(Path(work) / "shared-tier"))
+        return out, kill_verdicts(out)
+    out = run_crash(config, crash, str(Path(work) / "crash"))
+    return out, crash_verdicts(out)
+
+
 def run_soak(config: Config, phases: tuple[str, ...], overload: OverloadSpec,
-             kills: KillSpec, crash: CrashSpec, workdir: str | None = None) -> dict[str, Any]:
+             kills: KillSpec, crash: CrashSpec, workdir: str | None = None,
+             save: Callable[[dict[str, Any]], None] = lambda result: None) -> dict[str, Any]:
+    """Every phase in turn; ``save`` gets the result after each (a phase that breaks is
+    recorded with its traceback and its verdicts missed; the next one still runs)."""
     from slimkv.bench.engine import machine_info
 
     result: dict[str, Any] = {"machine": machine_info(), "phases": list(phases),
@@ -74,19 +96,17 @@ def run_soak(config: Config, phases: tuple[str, ...], overload: OverloadSpec,
         for phase in phases:
             t = time.monotonic()
             print(f"soak: {phase} ...", flush=True)
-            if phase == "overload":
-                out = run_overload(config, overload)
-                result["verdicts"] |= overload_verdicts(out)
-            elif phase == "kills":
-                out = run_kills(config, kills, str(Path(work) / "shared-tier"))
-                result["verdicts"] |= kill_verdicts(out)
-            else:
-                out = run_crash(config, crash, str(Path(work) / "crash"))
-                result["verdicts"] |= crash_verdicts(out)
-            result[phase] = out
+            try:
+                result[phase], verdicts = _phase(phase, config, overload, kills, crash, work)
+            except Exception:
+                result[phase] = {"error": traceback.format_exc()}
+                verdicts = dict.fromkeys(VERDICTS[phase], False)
+                print(result[phase]["error"], flush=True)
+            result["verdicts"] |= verdicts
+            result["seconds"] = round(time.monotonic() - start, 1)
+            save(result)
             print(f"soak: {phase} done in {time.monotonic() - t:.0f} s: " + ", ".join(
                 f"{k}={v}" for k, v in result["verdicts"].items()), flush=True)
-    result["seconds"] = round(time.monotonic() - start, 1)
     return result
 
 
@@ -126,10 +146,14 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
                             rss_from_s=args.rss_from_s)
     kills = KillSpec(kills=args.kills, doc_tokens=args.doc_tokens)
     crash = CrashSpec(sessions=args.crash_sessions, doc_tokens=args.doc_tokens)
-    result = run_soak(config_from_args(args), phases, overload, kills, crash, args.workdir)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+
+    def save(result: dict[str, Any]) -> None:
+        out.write_text(json.dumps(result, indent=2) + "\n")
+
+    result = run_soak(config_from_args(args), phases, overload, kills, crash, args.workdir,
+                      save)
     print(f"wrote {out}")
     if args.plot:
         plot_soak(result, args.plot)

@@ -43,7 +43,7 @@ class CrashSpec:
     doc_tokens: int = 1536
     max_tokens: int = 16
     clients: int = 1           # the crash run's clients (the clean run and replay: 1)
-    kill_after: int = 4        # turns answered before the kill is armed
+    kill_after: int = 8        # turns answered before the kill is armed
     arm_s: float = 10.0
     damage: int = 2            # files damaged on purpose before the restart (0, 1 or 2)
     turn_timeout_s: float = 180.0

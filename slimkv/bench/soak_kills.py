@@ -150,12 +150,19 @@ def _wait_for_two(url: str, gone: set[str], timeout_s: float) -> list[str]:
 def run_kills(config: Config, spec: KillSpec, disk_path: str) -> dict[str, Any]:
     from slimkv.cluster.launch import deploy, shutdown
 
-    config = (config.replace("server", host="127.0.0.1", port=free_port(), api_key=None)
-              .replace("kv_cache", offload={"host_gb": 0.0, "disk_path": disk_path,
-                                            "disk_gb": 4.0})
+    config = (config.replace("kv_cache", offload={"host_gb": 0.0, "disk_path": disk_path,
+                                                  "disk_gb": 4.0})
               .replace("cluster", replicas=2, stats_period_s=0.5))
     start = time.monotonic()
-    url = deploy(config)
+    for attempt in range(3):      # a free port can be taken before Serve binds it
+        config = config.replace("server", host="127.0.0.1", port=free_port(), api_key=None)
+        try:
+            url = deploy(config)
+            break
+        except Exception:
+            shutdown()
+            if attempt == 2:
+                raise
     rounds, gone, waits = [], set(), []
     try:
         model = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]

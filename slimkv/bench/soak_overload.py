@@ -72,9 +72,11 @@ async def _client(i: int, server: SoakServer, model: str, spec: OverloadSpec,
 
 
 async def _sample_rss(server: SoakServer, spec: OverloadSpec, t0: float,
-                      stop: asyncio.Event, out: list[tuple[float, int]]) -> None:
+                      stop: asyncio.Event, out: list[tuple[float, int]],
+                      kinds: list[dict[str, float]]) -> None:
     while not stop.is_set():
         out.append((round(time.monotonic() - t0, 1), server.rss_bytes()))
+        kinds.append(server.memory_mb())
         try:
             await asyncio.wait_for(stop.wait(), spec.rss_every_s)
         except asyncio.TimeoutError:
@@ -109,11 +111,12 @@ def run_overload(config: Config, spec: OverloadSpec) -> dict[str, Any]:
         model = server.model_name()
         results: list[TurnResult] = []
         rss: list[tuple[float, int]] = []
+        kinds: list[dict[str, float]] = []
 
         async def main() -> None:
             t0 = time.monotonic()
             stop = asyncio.Event()
-            sampler = asyncio.create_task(_sample_rss(server, spec, t0, stop, rss))
+            sampler = asyncio.create_task(_sample_rss(server, spec, t0, stop, rss, kinds))
             await asyncio.gather(*(_client(i, server, model, spec, t0 + spec.duration_s,
                                            results) for i in range(spec.clients)))
             stop.set()
@@ -123,7 +126,9 @@ def run_overload(config: Config, spec: OverloadSpec) -> dict[str, Any]:
         asyncio.run(main())
         idle = _idle(server.url)
         alive = server.returncode is None
-    return summarize(results, rss, idle, alive, spec, start)
+    out = summarize(results, rss, idle, alive, spec, start)
+    out["rss_by_kind_mb"] = kinds
+    return out
 
 
 def summarize(results: list[TurnResult], rss: list[tuple[float, int]],

@@ -97,7 +97,7 @@ def plot_soak(result: dict[str, Any], path: str | Path) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(13, 8))
     for ax, (phase, draw) in zip(axes.flat[:3], (("overload", _overload),
                                                  ("overload", _memory), ("kills", _kills))):
-        if phase in result:
+        if "error" not in result.get(phase, {"error": "not run"}):
             draw(ax, result[phase])
         else:
             ax.axis("off")

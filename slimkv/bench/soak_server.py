@@ -25,14 +25,27 @@ class SoakServer(ServerProcess):
 
     def rss_bytes(self) -> int:
         """Resident set size of the server process now (0 once it exited)."""
+        return rss_bytes(self.pid)
+
+    def memory_mb(self) -> dict[str, float]:
+        """Resident MiB by kind of mapping: ``heap`` (brk), ``anon`` (other anonymous:
+        mmapped arenas and large allocations, the KV pool), ``file`` (libraries, the
+        model file if mapped)."""
+        out = {"heap": 0.0, "anon": 0.0, "file": 0.0}
+        kind = "anon"
         try:
-            with open(f"/proc/{self.pid}/status") as f:
+            with open(f"/proc/{self.pid}/smaps") as f:
                 for line in f:
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1]) * 1024
+                    head = line.split(maxsplit=6)
+                    if "-" in head[0] and len(head) >= 5:
+                        name = head[5].strip() if len(head) > 5 else ""
+                        kind = ("heap" if name == "[heap]" else "file" if name.startswith("/")
+                                else "anon")
+                    elif head[0] == "Rss:":
+                        out[kind] += int(head[1]) / 1024
         except OSError:
             pass
-        return 0
+        return {k: round(v, 1) for k, v in out.items()}
 
     def kill9(self) -> None:
         """``kill -9``: no drain, no atexit, the writer thread cut wherever it is."""
@@ -53,6 +66,18 @@ class SoakServer(ServerProcess):
         self._log.flush()
         with open(self._log.name, errors="replace") as f:
             return f.read()
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of process ``pid`` now (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def metric_values(url: str, timeout: float = 30.0) -> dict[str, float]:
