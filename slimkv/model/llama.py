@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from slimkv.model.gemm import Linear, linear
+
 SUPPORTED_ARCHS = ("llama", "qwen2")
 _SUPPORTED = ", ".join(SUPPORTED_ARCHS)
 _HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
@@ -123,9 +125,9 @@ class Attention(nn.Module):
         self.head_dim = args.head_dim
         q_dim, kv_dim = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
         self.split = [q_dim, kv_dim, kv_dim]
-        self.wqkv = nn.Linear(args.hidden_size, q_dim + 2 * kv_dim, bias=args.attention_bias,
+        self.wqkv = Linear(args.hidden_size, q_dim + 2 * kv_dim, bias=args.attention_bias,
                               dtype=dtype, device=device)
-        self.wo = nn.Linear(q_dim, args.hidden_size, bias=False, dtype=dtype, device=device)
+        self.wo = Linear(q_dim, args.hidden_size, bias=False, dtype=dtype, device=device)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionFn) -> Tensor:
         T = x.shape[0]
@@ -139,9 +141,9 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.w13 = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False,
+        self.w13 = Linear(args.hidden_size, 2 * args.intermediate_size, bias=False,
                              dtype=dtype, device=device)
-        self.w2 = nn.Linear(args.intermediate_size, args.hidden_size, bias=False,
+        self.w2 = Linear(args.intermediate_size, args.hidden_size, bias=False,
                             dtype=dtype, device=device)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -176,7 +178,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(
             TransformerBlock(args, i, dtype, device) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, device)
-        self.output = None if args.tie_word_embeddings else nn.Linear(
+        self.output = None if args.tie_word_embeddings else Linear(
             args.hidden_size, args.vocab_size, bias=False, dtype=dtype, device=device)
         # Set by slimkv.model.lean.quantize_model: a quantized LM head, a float32 residual.
         self.lm_head: nn.Module | None = None
@@ -217,4 +219,4 @@ class Transformer(nn.Module):
         if self.lm_head is not None:
             return self.lm_head.fused(hidden)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return F.linear(hidden.to(weight.dtype), weight).float()
+        return linear(hidden.to(weight.dtype), weight).float()

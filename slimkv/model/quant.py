@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from slimkv.kernels.qgemm import (PLAIN, PRECISE, ROW_DTYPES, QGemm, pack, qgemm_kernel,
                                   unpack_rows)
 from slimkv.kernels.tile_gemm import tile_gemm_kernel
+from slimkv.model.gemm import linear
 
 GROUP = 32
 
@@ -127,7 +127,7 @@ class QuantLinear(nn.Module):
         ``dtype``) and ``out`` returned."""
         if self.tiles is not None and a.dtype == torch.bfloat16:
             return self.tiles(a, self.packed, self.out_features, out=out)
-        y = F.linear(a, self.kernel.dequantize(self.packed, self.out_features, self.dtype))
+        y = linear(a, self.kernel.dequantize(self.packed, self.out_features, self.dtype))
         return y if out is None else self.kernel.add_into(out, y)
 
     def _prepare(self, x: Tensor, mode: int, norm: nn.Module | None) -> Tensor:
