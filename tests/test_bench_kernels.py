@@ -39,7 +39,7 @@ def test_kernels_every_part(tmp_path: Path, fused_kernel: None) -> None:
     assert machine["model_dtype_auto"] in ("bfloat16", "float32")
     assert machine["dtype"] == machine["model_dtype_auto"]  # never forced by default
     assert result["setup"]["layers"] == 2 and result["setup"]["parts"] == [
-        "decode", "gemm", "prefill", "memory"]
+        "decode", "gemm", "prefill", "rows", "memory"]
     decode = result["decode"]
     assert set(decode) == {"b2/bfloat16", "b2/int8", "b2/int4/int8"}
     for row in decode.values():
@@ -59,6 +59,13 @@ def test_kernels_every_part(tmp_path: Path, fused_kernel: None) -> None:
         if "kernel" in result["prefill"][case]:
             timed(result["prefill"][case]["kernel"])
             assert result["prefill"][case]["max_abs_diff"] < 0.05  # bf16 rounding apart
+    rows = result["rows"]   # row counts 9..48: exact 40 x 4 shapes, buckets 8 + 2 (32, 48)
+    assert rows["rows"] == [9, 48]
+    assert rows["exact"]["shapes"] == 160 and rows["bucketed"]["shapes"] == 4 * (8 + 2)
+    for name in ("exact", "bucketed"):
+        assert rows[name]["first_sweep_ms"] > 0 and rows[name]["rss_growth_mib"] > -64
+        timed(rows[name]["warm_sweep"])
+        timed(rows[name]["warm_sweep_every_8th"])
     assert result["memory"]["sum_gb_s"] > 0 and result["memory"]["max_gb_s"] > 0
 
 

@@ -17,6 +17,13 @@ timed in turn (:func:`slimkv.bench.timing.interleaved`), best and median kept:
 - ``prefill``: one layer's attention of a ``--prefill-tokens`` chunk, the chunk that starts
   a sequence (one causal call) and the same chunk on a staged cache (pieces over pool and
   staged keys under masks): the prefill kernel against torch's SDPA, largest difference.
+- ``rows``: one layer's four prefill projections (float GEMMs) at every row count from
+  ``--kernel-rows`` + 1 to ``--prefill-tokens``, rows exact (``F.linear``) against rows in
+  buckets (:func:`slimkv.model.gemm.linear`): the first sweep of each (bucketed first: its
+  shapes are a subset) with the resident memory it added (the JIT kernels oneDNN keeps per
+  shape, on a CPU with native bf16), then warm sweeps of both in turn, over every count
+  and over every 8th (few enough shapes that oneDNN's cache holds the exact ones too: what
+  the padding alone costs).
 - ``memory``: the host's streaming rate with torch's threads (a float32 buffer summed,
   then reduced by max): the ceiling of a kernel that only waits on its reads.
 """
@@ -31,18 +38,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import os
+
 from slimkv.attention import prefill
-from slimkv.bench.timing import environment, interleaved, summary
+from slimkv.bench.soak_server import rss_bytes
+from slimkv.bench.timing import environment, interleaved, ms_of, summary
 from slimkv.kernels import decode_kernel, describe
 from slimkv.kernels.prefill_attn import prefill_kernel
 from slimkv.kernels.qgemm import PLAIN, PRECISE, pack, qgemm_kernel
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import StagedKV, Staging
+from slimkv.model.gemm import bucket_rows, linear
 
 LAYERS, HEADS, KV_HEADS, DIM, BS = 30, 9, 3, 64, 16
 HIDDEN, FFN, VOCAB = 576, 1536, 49152
 SHAPES = [(960, HIDDEN, 4), (HIDDEN, HIDDEN, 4), (2 * FFN, HIDDEN, 4), (HIDDEN, FFN, 4)]
-PARTS = ("decode", "gemm", "prefill", "memory")
+PARTS = ("decode", "gemm", "prefill", "rows", "memory")
 CPU = torch.device("cpu")
 
 
@@ -189,6 +200,35 @@ def bench_prefill(tokens: int, dtype: torch.dtype, reps: int) -> dict[str, Any]:
     return out
 
 
+def bench_rows(low: int, high: int, dtype: torch.dtype, reps: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=gen).to(dtype) for n, k, _ in SHAPES]
+    x = {k: torch.randn(high, k, generator=gen).to(dtype) for k in (HIDDEN, FFN)}
+    ways = {"bucketed": linear, "exact": F.linear}
+
+    def sweep(fn: Callable[..., Tensor], counts: range) -> None:
+        for m in counts:
+            for w in weights:
+                fn(x[w.shape[1]][:m], w)
+
+    every, sparse = range(low, high + 1), range(low, high + 1, 8)
+    out: dict[str, Any] = {"rows": [low, high]}
+    for name, fn in ways.items():
+        before = rss_bytes(os.getpid())
+        ms = ms_of(lambda: sweep(fn, every))
+        out[name] = {"shapes": len(weights) * len({m if fn is F.linear else bucket_rows(m)
+                                                   for m in every}),
+                     "first_sweep_ms": round(ms, 1),
+                     "rss_growth_mib": round((rss_bytes(os.getpid()) - before) / 2**20, 1)}
+    # Every count (more shapes than oneDNN's cache holds), then every 8th (both cached).
+    for key, counts in (("warm_sweep", every), ("warm_sweep_every_8th", sparse)):
+        warm = interleaved({name: lambda fn=fn: sweep(fn, counts)
+                            for name, fn in ways.items()}, reps)
+        for name, runs in warm.items():
+            out[name][key] = summary(runs)
+    return out
+
+
 def bench_memory(mib: int, reps: int) -> dict[str, Any]:
     x = torch.ones(mib << 18, dtype=torch.float32)  # mib MiB of float32
     runs = interleaved({"sum": lambda: torch.sum(x), "max": lambda: torch.max(x)}, reps)
@@ -213,6 +253,7 @@ def bench_kernels(parts: list[str], kvs: list[str], batches: list[int], context:
     runs = {"decode": lambda: bench_decode(kvs, batches, context, layers, dtype, tables, reps),
             "gemm": lambda: bench_gemm(rows, layers, dtype, kernel_rows, reps, vocab),
             "prefill": lambda: bench_prefill(prefill_tokens, dtype, reps),
+            "rows": lambda: bench_rows(kernel_rows + 1, prefill_tokens, dtype, reps),
             "memory": lambda: bench_memory(mem_mib, reps)}
     for part in parts:
         result[part] = runs[part]()

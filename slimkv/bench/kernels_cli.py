@@ -27,9 +27,9 @@ def add_kernels_cli(bench: argparse._SubParsersAction) -> None:
                    help="decode, gemm: layers timed (the model has 30)")
     p.add_argument("--rows", type=csv_of(int), default=[1, 8, 32, 512], help="gemm: rows (M)")
     p.add_argument("--kernel-rows", type=int, default=64,
-                   help="gemm: the most rows the int8 kernel is timed at")
+                   help="gemm: the most rows the int8 kernel is timed at; rows: from here + 1")
     p.add_argument("--vocab", type=int, default=49152, help="gemm: rows of the LM head")
-    p.add_argument("--prefill-tokens", type=int, default=512, help="prefill: chunk tokens")
+    p.add_argument("--prefill-tokens", type=int, default=512, help="prefill: chunk tokens; rows: up to here")
     p.add_argument("--mem-mib", type=int, default=1024, help="memory: buffer size")
     p.add_argument("--reps", type=int, default=7, help="rounds of every measurement")
     p.add_argument("--dtype", help="model dtype to measure in (default: what auto picks)")
