@@ -31,14 +31,13 @@ timed in turn (:func:`slimkv.bench.timing.interleaved`), best and median kept:
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-import os
 
 from slimkv.attention import prefill
 from slimkv.bench.soak_server import rss_bytes

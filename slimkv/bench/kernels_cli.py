@@ -29,7 +29,8 @@ def add_kernels_cli(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--kernel-rows", type=int, default=64,
                    help="gemm: the most rows the int8 kernel is timed at; rows: from here + 1")
     p.add_argument("--vocab", type=int, default=49152, help="gemm: rows of the LM head")
-    p.add_argument("--prefill-tokens", type=int, default=512, help="prefill: chunk tokens; rows: up to here")
+    p.add_argument("--prefill-tokens", type=int, default=512,
+                   help="prefill: chunk tokens; rows: up to here")
     p.add_argument("--mem-mib", type=int, default=1024, help="memory: buffer size")
     p.add_argument("--reps", type=int, default=7, help="rounds of every measurement")
     p.add_argument("--dtype", help="model dtype to measure in (default: what auto picks)")
