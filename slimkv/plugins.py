@@ -8,11 +8,14 @@ never imports (``tests/test_size.py`` checks it). Build engines from a config he
 - the model files: GGUF / Hugging Face checkpoints and tokenizers (:mod:`slimkv.model_io`)
   as the engine's loader (:class:`~slimkv.model.protocol.ModelLoader`);
 - ``kv_cache.paged: false``: the contiguous baseline (:mod:`slimkv.kv.contiguous`) as the
-  engine's KV manager.
+  engine's KV manager;
+- the kernel backends of attention (:mod:`slimkv.backends`: the fused C kernels and the
+  one-call decode step on the CPU, Triton on CUDA), among which the engine chooses once.
 """
 
 from __future__ import annotations
 
+from slimkv.backends import KERNELS
 from slimkv.config import Config
 from slimkv.engine.llm_engine import LLMEngine
 from slimkv.kv.contiguous import ContiguousKVManager
@@ -24,4 +27,4 @@ from slimkv.options import logits_processors
 def build_engine(config: Config) -> LLMEngine:
     """``LLMEngine(config)`` with every plug-in its config may ask for."""
     return LLMEngine(config, load, processors=logits_processors, connector=offload_connector,
-                     contiguous=ContiguousKVManager)
+                     contiguous=ContiguousKVManager, kernels=KERNELS)

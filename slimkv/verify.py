@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
-from slimkv.attention.paged import AttentionMetadata, PagedAttention, reference_paged_attention
+from slimkv.attention.layer import PagedAttention
+from slimkv.attention.metadata import AttentionMetadata
+from slimkv.attention.reference import reference_paged_attention
 from slimkv.config import Config
 from slimkv.engine.llm_engine import LLMEngine
 from slimkv.kv.quant import make_codec
@@ -42,10 +44,17 @@ class CheckedAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
-        a = self.attention
-        out = a(layer, q, k, v, meta)  # takes q as rounded to a.dtype: the reference must too
+        a, staged = self.attention, {}
+        if meta.prefills:  # the reference needs the chunks' K/V the layer's write returns
+            q, k, v = (x.to(a.dtype) for x in (q, k, v))
+            staged = a.backend.write(layer, k, v, meta)
+            out, paths = a.backend.attend(layer, q, meta, staged)
+            a.count(layer, paths)
+        else:
+            out = a(layer, q, k, v, meta)
+        # The backend takes q as rounded to a.dtype: the reference must too.
         ref = reference_paged_attention(a.cache, layer, q.to(a.dtype), meta, a.scale, a.dtype,
-                                        a.staging).float()
+                                        a.staging, staged).float()
         error = ((out.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
         self.errors[layer] = max(self.errors[layer], error)
         return out
@@ -62,6 +71,9 @@ def verify_dtype(config: Config, kv_dtype: str, prompt_len: int = 40, new_tokens
     engine = build_engine(config)
     checked = CheckedAttention(engine.runner.attention)
     engine.runner.attention = checked
+    # The one-call decode step runs every layer in C, out of this check's sight: decodes go
+    # layer by layer instead, through the same stage and decode kernels.
+    engine.runner.lean_step = None
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     for seed, length in enumerate((prompt_len, prompt_len // 2)):
         engine.add_request(random_prompt(length, engine.model_args.vocab_size, seed), params)
@@ -75,12 +87,13 @@ def verify_dtype(config: Config, kv_dtype: str, prompt_len: int = 40, new_tokens
     device = engine.runner.device.type if engine.runner.device.type in DECODE_PATHS else "cpu"
     ran_fast = all(any(layer["paths"].get(p) for p in paths) for layer in layers
                    for paths in (PREFILL_PATHS[device], DECODE_PATHS[device]))
-    ok = (ran_fast and checked.attention.fallback_reason is None
+    ok = (ran_fast and checked.attention.backend.fallback_reason is None
           and all(t["format_ok"] for t in pool)
           and all(layer["match"] and not layer["fallback"] for layer in layers))
     return {"kv_dtype": kv_dtype, "ok": ok, "device": str(engine.runner.device),
-            "fallback_reason": checked.attention.fallback_reason, "tolerance": tolerance,
-            "decode_kernel_unavailable": checked.attention.kernel_unavailable,
+            "fallback_reason": checked.attention.backend.fallback_reason,
+            "tolerance": tolerance,
+            "decode_kernel_unavailable": checked.attention.backend.kernel_unavailable,
             "pool": pool, "layers": layers}
 
 

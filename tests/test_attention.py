@@ -9,7 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slimkv.attention.paged import AttentionMetadata, PagedAttention
+from slimkv.attention.layer import PagedAttention
+from slimkv.backends import KERNELS
+from slimkv.attention.metadata import AttentionMetadata
 from slimkv.kv.cache import PagedKVCache
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 32, 4, 24
@@ -95,11 +97,12 @@ def _dense(seqs: list[Sequence], batch: list[tuple[int, int]]) -> torch.Tensor:
 
 
 def _run(batch: list[tuple[int, int]], *, fast: bool, dtype: str = "float32",
-         v_dtype: str | None = None, model_dtype: torch.dtype = torch.float32
-         ) -> tuple[torch.Tensor, PagedAttention]:
+         v_dtype: str | None = None, model_dtype: torch.dtype = torch.float32,
+         backend: str | None = None) -> tuple[torch.Tensor, PagedAttention]:
     seqs = _sequences([seq_len for seq_len, _ in batch])
     cache = _cache(dtype, v_dtype)
-    attn = PagedAttention(cache, NUM_HEADS, SCALE, model_dtype, fast=fast)
+    attn = PagedAttention(cache, NUM_HEADS, SCALE, model_dtype,
+                          backend=backend or (None if fast else "reference"), kernels=KERNELS)
     q, k, v, meta = _step(cache, seqs, batch)
     return attn(LAYER, q.to(model_dtype), k.to(model_dtype), v.to(model_dtype), meta), attn
 
@@ -128,7 +131,7 @@ def test_chunked_prefill_equals_unchunked(dtype: str) -> None:
     whole, _ = _run([(14, 14)], fast=True, dtype=dtype)
     seqs = _sequences([14])
     cache = _cache(dtype)
-    attn = PagedAttention(cache, NUM_HEADS, SCALE, torch.float32)
+    attn = PagedAttention(cache, NUM_HEADS, SCALE, torch.float32, kernels=KERNELS)
     first = attn(LAYER, *_step(cache, seqs, [(6, 6)]))
     second = attn(LAYER, *_step(cache, seqs, [(14, 8)], write_prefix=False))
     torch.testing.assert_close(torch.cat([first, second]), whole, rtol=0, atol=1e-5)
@@ -139,6 +142,39 @@ def test_quantized_kv_fast_matches_reference(dtype: str, v_dtype: str | None) ->
     fast, _ = _run(MIXED_BATCH, fast=True, dtype=dtype, v_dtype=v_dtype)
     reference, _ = _run(MIXED_BATCH, fast=False, dtype=dtype, v_dtype=v_dtype)
     torch.testing.assert_close(fast, reference, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "sdpa", "triton"])
+@pytest.mark.parametrize("dtype, v_dtype", [("float32", None), ("int8", None),
+                                            ("fp8_e4m3", "int4"), ("bfloat16", None)])
+def test_every_backend_equals_the_reference(backend: str, dtype: str, v_dtype: str | None) -> None:
+    """Each backend chosen by name, one mixed step (decodes, fresh and prefixed prefill
+    chunks), against the reference backend: the paths it counts are its own."""
+    from slimkv.kernels import kernel_unavailable_reason
+
+    if backend == "cpu" and kernel_unavailable_reason() is not None:
+        pytest.skip(kernel_unavailable_reason())
+    if backend == "triton":
+        pytest.importorskip("triton")
+    out, attn = _run(MIXED_BATCH, fast=True, dtype=dtype, v_dtype=v_dtype, backend=backend)
+    reference, _ = _run(MIXED_BATCH, fast=False, dtype=dtype, v_dtype=v_dtype)
+    torch.testing.assert_close(out, reference, rtol=0, atol=1e-5)
+    backend_paths = {"cpu": {"fused_decode", "fast_prefill"},
+                     "sdpa": {"fast_decode", "fast_prefill"},
+                     "triton": {"triton_decode", "triton_prefill"}}
+    assert set(attn.path_counts) == backend_paths[backend]
+
+
+def test_an_unknown_or_unavailable_backend_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown attention backend 'cuda'"):
+        PagedAttention(_cache(), NUM_HEADS, SCALE, torch.float32, backend="cuda",
+                       kernels=KERNELS)
+    # The fused C kernel reads no pool on another device: asked for, it says why.
+    cache = PagedKVCache(num_layers=1, num_blocks=2, block_size=BLOCK_SIZE,
+                         num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, k_dtype="float32",
+                         v_dtype="float32", k_scale="per_token", device=torch.device("meta"))
+    with pytest.raises(ValueError, match="backend 'cpu' cannot run"):
+        PagedAttention(cache, NUM_HEADS, SCALE, torch.float32, backend="cpu", kernels=KERNELS)
 
 
 @pytest.mark.parametrize("dtype, v_dtype, atol", [
@@ -158,4 +194,4 @@ def test_bfloat16_model_dtype() -> None:
 
 def test_rejects_heads_not_multiple_of_kv_heads() -> None:
     with pytest.raises(ValueError, match="num_kv_heads"):
-        PagedAttention(_cache(), 5, SCALE, torch.float32)
+        PagedAttention(_cache(), 5, SCALE, torch.float32, kernels=KERNELS)

@@ -7,7 +7,10 @@ import torch
 
 from slimkv import kernels
 from slimkv.kernels import build
-from slimkv.attention.paged import AttentionMetadata, PagedAttention, reference_paged_attention
+from slimkv.attention.layer import PagedAttention
+from slimkv.backends import KERNELS
+from slimkv.attention.metadata import AttentionMetadata
+from slimkv.attention.reference import reference_paged_attention
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
 
@@ -37,7 +40,8 @@ def _decode_step(k_dtype: str, v_dtype: str, k_scale: str, head_dim: int, lens: 
     staging = Staging(cache, len(lens), model_dtype) if cache.block_scaled else None
     order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     tables = []
-    prefill = PagedAttention(cache, num_heads, head_dim ** -0.5, model_dtype, staging=staging)
+    prefill = PagedAttention(cache, num_heads, head_dim ** -0.5, model_dtype, staging=staging,
+                             kernels=KERNELS)
     for i, n in enumerate(lens):
         num = -(-n // BLOCK_SIZE)
         blocks, order = order[:num], order[num:]
@@ -64,9 +68,8 @@ def _decode(cache: PagedKVCache, staging: Staging | None, step: tuple, meta: Att
             model_dtype: torch.dtype, kernel: bool,
             layer: int = 0) -> tuple[torch.Tensor, PagedAttention]:
     num_heads = step[0].shape[1]
-    attn = PagedAttention(cache, num_heads, cache.head_dim ** -0.5, model_dtype, staging=staging)
-    if not kernel:
-        attn.kernel_unavailable = "disabled by the test"
+    attn = PagedAttention(cache, num_heads, cache.head_dim ** -0.5, model_dtype, staging=staging,
+                          backend=None if kernel else "sdpa", kernels=KERNELS)
     return attn(layer, *step, meta), attn
 
 
@@ -222,7 +225,7 @@ def test_without_a_compiler_decodes_on_sdpa_and_says_why(monkeypatch: pytest.Mon
         cache, staging, step, meta = _decode_step("int8", "int8", "per_token", 64, [20],
                                                   torch.float32)
         out, attn = _decode(cache, staging, step, meta, torch.float32, kernel=True)
-        assert "no C compiler" in attn.kernel_unavailable
+        assert "no C compiler" in attn.backend.kernel_unavailable
         assert attn.path_counts == {"fast_decode": 1} and out.isfinite().all()
     finally:
         kernels._KERNEL.reset()

@@ -139,4 +139,4 @@ def test_engine_with_a_mix_generates() -> None:
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     [result] = llm.generate("The capital of France is", params)
     assert len(result.token_ids) == 20
-    assert engine.runner.attention.fallback_reason is None
+    assert engine.runner.attention.backend.fallback_reason is None

@@ -9,7 +9,9 @@ import math
 import pytest
 import torch
 
-from slimkv.attention.paged import AttentionMetadata, PagedAttention
+from slimkv.attention.layer import PagedAttention
+from slimkv.backends import KERNELS
+from slimkv.attention.metadata import AttentionMetadata
 from slimkv.kv.block_scales import ChannelBlockInt4Codec, per_channel_block
 from slimkv.kv.cache import PagedKVCache, side_codec
 from slimkv.kv.quant import Int4Codec, make_codec
@@ -117,12 +119,14 @@ def test_staged_cache_refuses_token_writes() -> None:
                                                                *_keys(1)[0, :2].repeat(2, 1, 1, 1))
 
 
-def _run(name: str, lengths: list[int], schedule: list[list[int]], fast: bool) -> torch.Tensor:
+def _run(name: str, lengths: list[int], schedule: list[list[int]], fast: bool = True,
+         backend: str | None = None) -> torch.Tensor:
     """Attention outputs ``[sum(lengths), HEADS, D]`` of sequences fed in steps: step ``j``
     gives sequence ``i`` ``schedule[i][j]`` tokens (all sequences in one batch per step)."""
     gen = torch.Generator().manual_seed(1)
     cache, staging = _staged(name, "per_channel_block")
-    attn = PagedAttention(cache, HEADS, SCALE, torch.float32, fast=fast, staging=staging)
+    attn = PagedAttention(cache, HEADS, SCALE, torch.float32, staging=staging,
+                          backend=backend or (None if fast else "reference"), kernels=KERNELS)
     qkv = [[torch.randn(n, h, HEAD_DIM, generator=gen) * 3 for h in (HEADS, KV_HEADS, KV_HEADS)]
            for n in lengths]
     blocks = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(len(lengths))]  # padded tables
@@ -149,6 +153,27 @@ def test_staged_chunking_invariance_and_fast_equals_reference(name: str) -> None
     reference = _run(name, lengths, [[3, 5, 1, 1, 3], [4, 1, 1, 1, 1], [1] * 6], fast=False)
     torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(reference, chunked, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "sdpa", "triton"])
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_every_backend_equals_the_reference_on_a_staged_cache(name: str, backend: str) -> None:
+    """Each backend on its own (chosen by name), prefill chunks and decodes mixed in steps,
+    against the reference backend fed the same steps."""
+    _skip_unavailable(backend)
+    schedule = [[3, 5, 1, 1, 3], [4, 1, 1, 1, 1], [1] * 6]
+    out = _run(name, [13, 8, 6], schedule, backend=backend)
+    torch.testing.assert_close(out, _run(name, [13, 8, 6], schedule, fast=False),
+                               rtol=1e-5, atol=1e-5)
+
+
+def _skip_unavailable(backend: str) -> None:
+    from slimkv.kernels import kernel_unavailable_reason
+
+    if backend == "cpu" and kernel_unavailable_reason() is not None:
+        pytest.skip(kernel_unavailable_reason())
+    if backend == "triton":
+        pytest.importorskip("triton")
 
 
 @pytest.mark.parametrize("name,k_scale", SCHEMES)
@@ -249,7 +274,8 @@ def test_staged_prefill_equals_an_independent_float_computation(fast: bool) -> N
     q = torch.randn(n, HEADS, HEAD_DIM, generator=gen)
     k, v = (torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen) * 3 for _ in range(2))
     cache, staging = _staged("int8", "per_channel_block")
-    attn = PagedAttention(cache, HEADS, SCALE, torch.float32, fast=fast, staging=staging)
+    attn = PagedAttention(cache, HEADS, SCALE, torch.float32, staging=staging,
+                          backend=None if fast else "reference", kernels=KERNELS)
     meta = AttentionMetadata.build(BLOCK, [[5, 2, 7]], [n], [n], torch.device("cpu"), [0])
     out = attn(0, q, k, v, meta)
 

@@ -25,14 +25,15 @@ CORE_LAYERS = [
      "slimkv.engine.sequence",
      "slimkv.kv.manager", "slimkv.engine.outputs"],
     ["slimkv.kv.cache", "slimkv.kv.staging", "slimkv.kv", "slimkv.kernels"],
-    ["slimkv.attention.prefill", "slimkv.attention.metadata", "slimkv.attention.reference",
-     "slimkv.attention.paged"],
-    ["slimkv.engine.scheduler", "slimkv.engine.memory"],
+    ["slimkv.attention.prefill", "slimkv.attention.metadata", "slimkv.attention.backend",
+     "slimkv.attention.reference", "slimkv.attention.sdpa", "slimkv.attention.layer"],
+    ["slimkv.engine.scheduler", "slimkv.engine.memory", "slimkv.engine.step_inputs"],
     ["slimkv.engine.runner"],
     ["slimkv.engine.llm_engine"],
     # Plug-ins: the core calls them through a protocol and never imports them; they import
     # the core below the engine, and the engine's builder (slimkv.plugins) imports them.
-    ["slimkv.kv.offload", "slimkv.options", "slimkv.model_io", "slimkv.kv.contiguous"],
+    ["slimkv.kv.offload", "slimkv.options", "slimkv.model_io", "slimkv.kv.contiguous",
+     "slimkv.backends"],
     ["slimkv.llm", "slimkv.plugins", "slimkv.workload", "slimkv",
      # The tools' config sections, which the package imports to register them with Config
      # (they import slimkv.config only).

@@ -1,4 +1,4 @@
-"""The one-call decode step (slimkv.kernels.step) against the per-op path it replaces: the
+"""The one-call decode step (slimkv.backends.cpu_step) against the per-op path it replaces: the
 same greedy tokens and bit-identical logits at every step, for one and several sequences,
 across block boundaries (filled blocks go to the pool), staged (int8) and unstaged KV (`auto`:
 the model dtype, bfloat16 or float32 by CPU; a pool in another float dtype takes the per-op

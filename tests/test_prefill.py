@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from slimkv.attention import prefill
-from slimkv.attention.paged import AttentionMetadata, PagedAttention
+from slimkv.attention.layer import PagedAttention
+from slimkv.backends import KERNELS
+from slimkv.attention.metadata import AttentionMetadata
 from slimkv.kernels.prefill_attn import prefill_kernel, prefill_kernel_unavailable_reason
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
@@ -29,7 +31,8 @@ def _outputs(k_dtype: str, k_scale: str, chunks: list[int], fast: bool,
                          num_kv_heads=KV_HEADS, head_dim=D, k_dtype=k_dtype, v_dtype=k_dtype,
                          k_scale=k_scale, device=torch.device("cpu"))
     staging = Staging(cache, 2, dtype) if cache.block_scaled else None
-    attn = PagedAttention(cache, HEADS, SCALE, dtype, fast=fast, staging=staging)
+    attn = PagedAttention(cache, HEADS, SCALE, dtype, staging=staging,
+                          backend=None if fast else "reference", kernels=KERNELS)
     q = (torch.randn(length, HEADS, D, generator=gen) * 2).to(dtype)
     k, v = ((torch.randn(length, KV_HEADS, D, generator=gen) * 2).to(dtype) for _ in range(2))
     table = list(range(1, length // BLOCK + 3))  # block 0 left to padding

@@ -17,20 +17,25 @@ CORE_BUDGET, MODULE_MAX = 3000, 300
 # scheduler, engine/runner, sequence, sampling, outputs, config): config and defaults,
 # bookkeeping, the sampler with its logits-processor protocol and n choices, outputs and the
 # detokenizer, the model, its quantized weights and its loader protocol, the KV pool, its
-# formats and its connector protocol, attention and the kernel glue, start-up memory, the
-# runner, the engine and its stats snapshot. The kernels count by their Python glue (kernels/*.py: ctypes wrappers, the
-# one-call step); their sources, the C files and the Triton kernels of kernels/triton/, are
-# outside the budget. So are the tools' config sections, which live with the tools
-# (slimkv/server/config.py, slimkv/cluster/config.py) and register with slimkv/config.py.
+# formats and its connector protocol, attention (its interface, the step's metadata, the
+# SDPA and reference backends) and the kernel glue, start-up memory, the runner, the engine
+# and its stats snapshot. The kernels count by their Python glue (kernels/*.py: ctypes
+# wrappers); their sources, the C files and the Triton kernels of kernels/triton/, are
+# outside the budget, as are the kernel backends of attention (slimkv/backends: the CPU
+# backend with its one-call decode step, the Triton backend), plug-ins the builder passes.
+# So are the tools' config sections, which live with the tools (slimkv/server/config.py,
+# slimkv/cluster/config.py) and register with slimkv/config.py.
 CORE = ["config.py", "stats.py", "engine/*.py", "model/*.py", "kv/*.py", "attention/*.py",
         "kernels/*.py"]
 # Plug-ins: the core calls them through a protocol (kv/connector.py's KVConnector,
 # engine/sampling.py's LogitsProcessor, model/protocol.py's ModelLoader, the KV manager's
-# interface) and never imports them; slimkv/plugins.py builds engines with them. The offload
-# tier, the OpenAI sampling options (logprobs, penalties, logit_bias, min_tokens, structured
-# output), the model files (GGUF / Hugging Face checkpoints, the tokenizer) and the
-# contiguous baseline (kv_cache.paged: false).
-PLUGINS = ("slimkv.kv.offload", "slimkv.options", "slimkv.model_io", "slimkv.kv.contiguous")
+# interface, attention's backend interface) and never imports them; slimkv/plugins.py builds
+# engines with them. The offload tier, the OpenAI sampling options (logprobs, penalties,
+# logit_bias, min_tokens, structured output), the model files (GGUF / Hugging Face
+# checkpoints, the tokenizer), the contiguous baseline (kv_cache.paged: false) and the
+# kernel backends of attention.
+PLUGINS = ("slimkv.kv.offload", "slimkv.options", "slimkv.model_io", "slimkv.kv.contiguous",
+           "slimkv.backends")
 
 
 def lines(path: Path) -> int:

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from slimkv.attention.paged import PagedAttention
+from slimkv.attention.layer import PagedAttention
+from slimkv.backends import KERNELS
 from slimkv.config import Config
 from slimkv.engine.sampling_params import SamplingParams
 from slimkv.plugins import build_engine
@@ -42,8 +43,8 @@ def serve(path: Path, kv_dtype: str, k_scale: str, triton: bool):
     if triton:  # what the runner builds on CUDA, here on CPU tensors
         runner.attention = PagedAttention(runner.cache, runner.model_args.num_heads,
                                           runner.model_args.head_dim ** -0.5, runner.dtype,
-                                          staging=runner.staging, triton=True)
-        runner.lean_step.enabled = False
+                                          staging=runner.staging, backend="triton", kernels=KERNELS)
+        runner.lean_step = None
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     seqs = [engine.add_request(p, params) for p in PROMPTS]
     run_until_done(engine)

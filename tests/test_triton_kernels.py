@@ -29,7 +29,8 @@ if IN_PROCESS:
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from slimkv.attention.paged import AttentionMetadata, reference_paged_attention  # noqa: E402
+from slimkv.attention.metadata import AttentionMetadata  # noqa: E402
+from slimkv.attention.reference import reference_paged_attention  # noqa: E402
 from slimkv.kernels import kernel_format  # noqa: E402
 from slimkv.kernels.triton import decode, write  # noqa: E402
 from slimkv.kernels.triton import side as fmt, triton_unavailable_reason  # noqa: E402

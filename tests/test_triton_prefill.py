@@ -55,8 +55,8 @@ if IN_PROCESS and DEVICE.type == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
-from slimkv.attention.paged import (AttentionMetadata, reference_paged_attention,  # noqa: E402
-                                   sequence_context)
+from slimkv.attention.metadata import AttentionMetadata  # noqa: E402
+from slimkv.attention.reference import reference_paged_attention, sequence_context  # noqa: E402
 from slimkv.kernels.triton import side as fmt  # noqa: E402
 from slimkv.kernels.triton.prefill import paged_prefill  # noqa: E402
 from slimkv.kv.cache import PagedKVCache  # noqa: E402
@@ -121,11 +121,11 @@ def _check(formats, head_dim: int, start: int, n: int, group: int = 4, num_kv_he
             staged = staging.append(0, SLOT, a, table[a // block_size:], k[a:b], v[a:b])
     meta = AttentionMetadata.build(block_size, [table.tolist()], [n], [seq_len], DEVICE,
                                    None if staging is None else [SLOT])
-    if staging is not None:
-        meta.staged = {0: staged}
+    staged_kv = None if staging is None else {0: staged}
     scale = head_dim ** -0.5
-    expected = reference_paged_attention(cache, 0, q, meta, scale, torch.float32, staging)
-    exact = _exact(cache, staging, meta, q, scale)[0]
+    expected = reference_paged_attention(cache, 0, q, meta, scale, torch.float32, staging,
+                                         staged_kv)
+    exact = _exact(cache, staging, meta, q, scale, staged=staged_kv)[0]
     out = paged_prefill(q, meta.block_tables[0], seq_len, *_sides(cache), staged, scale, **kw)
     assert out.dtype == q_dtype and out.shape == q.shape
     if q_dtype == torch.float32:
@@ -135,7 +135,7 @@ def _check(formats, head_dim: int, start: int, n: int, group: int = 4, num_kv_he
         u = torch.finfo(q_dtype).eps / 2  # unit roundoff, 2^-11 for float16, 2^-8 for bf16
         torch.testing.assert_close(out.double(), exact, rtol=0, atol=1.5e-2 * u / 2 ** -11)
         # Against attention over K, V rounded to q's dtype: P's and the output's rounding.
-        rounded, spread = _exact(cache, staging, meta, q, scale, q_dtype)
+        rounded, spread = _exact(cache, staging, meta, q, scale, q_dtype, staged_kv)
         err = (out.double() - rounded).abs()
         bound = u * (spread + rounded.abs()) + 3e-5
         assert (err <= bound).all(), f"{(err - bound).max():.2e} past {bound.min():.2e}"
@@ -143,11 +143,11 @@ def _check(formats, head_dim: int, start: int, n: int, group: int = 4, num_kv_he
 
 
 def _exact(cache: PagedKVCache, staging: Staging | None, meta: AttentionMetadata, q, scale,
-           rounded: torch.dtype | None = None):
+           rounded: torch.dtype | None = None, staged=None):
     """The reference's attention in float64 over the same context (``sequence_context``
     dequantizes in float32 and casts: the very values the float32 reference reads), K and V
     first rounded to ``rounded`` if given; and ``sum_k p_k |v_k|`` per output element."""
-    k, v, mask = sequence_context(cache, staging, 0, meta, 0, torch.float64)
+    k, v, mask = sequence_context(cache, staging, 0, meta, 0, torch.float64, staged)
     if rounded is not None:
         k, v = (x.to(rounded).double() for x in (k, v))
     group = q.shape[1] // cache.num_kv_heads

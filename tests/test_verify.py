@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from slimkv.attention.paged import FAST_ENV
+from slimkv.attention.layer import FAST_ENV
 from slimkv.cli import main
 from slimkv.config import Config, ConfigError
 from slimkv.verify import ALL_KV_DTYPES, verify

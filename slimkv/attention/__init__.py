@@ -1,3 +1,4 @@
-"""Attention over the paged pool: ``metadata`` (one step's plan), ``prefill`` (a chunk in
-pieces) and ``paged`` (``PagedAttention``: cache write, decode and prefill paths, and the
-reference oracle)."""
+"""Attention over the paged pool: ``metadata`` (one step's plan, built once), ``prefill`` (a
+chunk in SDPA pieces), the backends (``cpu``, ``triton``, ``sdpa``, ``reference``, over the
+shared write of ``backend``) and ``layer`` (``PagedAttention``: the backend chosen once, and
+the paths it takes)."""

@@ -118,6 +118,8 @@ def ab_builds(specs: list[str], kernel: str, kvs: list[str], batch: int, context
                 cfg = config.replace("kv_cache", dtype=kv, k_dtype=None, v_dtype=None)
                 engine, seqs = decoding(cfg, batch, context, 2 * (reps + 1) * steps)
                 lean = engine.runner.lean_step
+                if lean is None:
+                    raise ValueError(f"{kv}: the engine has no one-call decode step here")
                 lean._step = None  # made again by the first one-call step: proof it ran
                 results[kv] = compared({n: lambda a=a: swapped_block(engine, a, steps)
                                         for n, a in addresses.items()}, reps, 1 / steps)
@@ -138,7 +140,7 @@ def ab_builds(specs: list[str], kernel: str, kvs: list[str], batch: int, context
 def swapped_block(engine: LLMEngine, address: int, steps: int) -> None:
     """``steps`` engine steps with the one-call step's decode attention at ``address``."""
     lean = engine.runner.lean_step
-    if not lean.available:
+    if lean is None or not lean.available:
         raise ValueError("the engine has no one-call decode step here")
     lean._fns["decode"] = address  # for arguments made later, and in those made already:
     if lean._step is not None:

@@ -14,6 +14,7 @@ from typing import Callable, Hashable
 
 import torch
 
+from slimkv.attention.layer import Kernels
 from slimkv.config import Config, ConfigError
 from slimkv.engine.engine_stats import BlockInfo, EngineStats, LaneCounts
 from slimkv.kv.block_pool import BlockPool
@@ -37,17 +38,19 @@ class LLMEngine:
     ``loader`` gives it its model and tokenizer (required), ``processors`` makes the
     sampler's logits processors (a request asking for an option none serves is refused),
     ``connector`` the KV store below the pool for ``kv_cache.offload``, ``contiguous`` the
-    baseline KV manager for ``kv_cache.paged: false`` (the paged manager's interface)."""
+    baseline KV manager for ``kv_cache.paged: false`` (the paged manager's interface),
+    ``kernels`` the attention backends over native kernels (else attention runs on SDPA)."""
 
     def __init__(self, config: Config, loader: ModelLoader | None = None,
                  processors: Callable[[ModelRunner], list[LogitsProcessor]] | None = None,
                  connector: Callable[[ModelRunner], KVConnector] | None = None,
-                 contiguous: Callable[..., KVCacheManager] | None = None) -> None:
+                 contiguous: Callable[..., KVCacheManager] | None = None,
+                 kernels: Kernels | None = None) -> None:
         if not config.kv_cache.paged and contiguous is None:
             raise ConfigError("kv_cache.paged: false: this engine was built without the "
                               "contiguous baseline (slimkv.plugins.build_engine adds it)")
         self.config = config
-        self.runner = ModelRunner(config, loader, processors)
+        self.runner = ModelRunner(config, loader, processors, kernels)
         self.model_args, self.tokenizer = self.runner.model_args, self.runner.tokenizer
         self.model_name = config.model.name or self.tokenizer.name
         self.max_model_len = self.runner.max_model_len

@@ -25,7 +25,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from slimkv.attention.paged import AttentionMetadata, PagedAttention
+from slimkv.attention.layer import PagedAttention
+from slimkv.attention.metadata import AttentionMetadata
 from slimkv.config import ConfigError
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.layers import LayerDtypes, layer_dtype_names
@@ -74,17 +75,22 @@ def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def _prompt_lens(num_tokens: int, max_len: int) -> list[int]:
+    return [max_len] * (num_tokens // max_len) + [num_tokens % max_len] * bool(num_tokens % max_len)
+
+
 def profile_batch(num_tokens: int, max_len: int, block_size: int, device: torch.device,
-                  staged: bool) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+                  staged: bool, piece_dtype: torch.dtype | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Input ids, positions and metadata of prompts totalling ``num_tokens`` tokens, each at
     most ``max_len`` long, on consecutive blocks from block 0 (staging slot ``i`` for
     prompt ``i`` when ``staged``)."""
-    lens = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
+    lens = _prompt_lens(num_tokens, max_len)
     blocks = [cdiv(n, block_size) for n in lens]
     first = [sum(blocks[:i]) for i in range(len(lens))]
     tables = [list(range(f, f + b)) for f, b in zip(first, blocks)]
     meta = AttentionMetadata.build(block_size, tables, lens, lens, device,
-                                   list(range(len(lens))) if staged else None)
+                                   list(range(len(lens))) if staged else None, piece_dtype)
     positions = torch.cat([torch.arange(n, device=device) for n in lens])
     return torch.zeros(num_tokens, dtype=torch.long, device=device), positions, meta
 
@@ -107,19 +113,20 @@ def activation_peak(args: ModelArgs, dtype: torch.dtype, device: torch.device, *
     staged = Staging.needed(k_dtype, v_dtype, args.head_dim, k_scale, layer_dtypes)
     with FakeTensorMode():
         model = Transformer(dataclasses.replace(args, num_layers=len(layers)), dtype, device)
-        ids, positions, meta = profile_batch(num_tokens, max_len, block_size, device, staged)
+        lens = _prompt_lens(num_tokens, max_len)
         cache = PagedKVCache(num_layers=args.num_layers,
-                             num_blocks=sum(cdiv(n, block_size) for n in meta.seq_lens),
+                             num_blocks=sum(cdiv(n, block_size) for n in lens),
                              block_size=block_size, num_kv_heads=args.num_kv_heads,
                              head_dim=args.head_dim, k_dtype=k_dtype, v_dtype=v_dtype,
                              k_scale=k_scale, device=device, layer_dtypes=layer_dtypes)
-        staging = Staging(cache, len(meta.seq_lens), dtype) if staged else None
+        staging = Staging(cache, len(lens), dtype) if staged else None
         # Fake tensors take the torch paths (no kernel reads them): on CUDA their gathered
         # prefix copies make this an upper bound of what the Triton kernels need.
         attention = PagedAttention(cache, args.num_heads, args.head_dim ** -0.5, dtype,
-                                   staging=staging, triton=False)
-        attention.kernel_unavailable = "fake tensors"
-        with LiveBytes() as tracker:
+                                   staging=staging, backend="sdpa")
+        with LiveBytes() as tracker:  # the step's inputs and metadata count too
+            ids, positions, meta = profile_batch(num_tokens, max_len, block_size, device,
+                                                 staged, dtype)
             hidden = model(ids, positions,
                            lambda i, q, k, v: attention(layers[i], q, k, v, meta))
             logits = model.compute_logits(hidden[:min(num_logit_rows, num_tokens)])

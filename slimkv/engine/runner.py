@@ -1,9 +1,10 @@
 """The model runner: the tensor side of a step.
 
 It owns the model, the KV pool, the staging blocks and the attention, and turns the
-scheduler's ``(sequence, tokens)`` pairs into one batched forward: ``_prepare`` lays the
-tokens out with their block tables (:class:`~slimkv.attention.paged.AttentionMetadata`),
-``_forward`` runs the model over the paged cache, and the sampler picks the next tokens.
+scheduler's ``(sequence, tokens)`` pairs into one batched forward: ``_prepare`` sends the
+step's inputs to the device with its metadata, built once for every layer
+(:mod:`slimkv.engine.step_inputs`), ``_forward`` runs the model over the paged cache, and
+the sampler picks the next tokens.
 Block bookkeeping (which blocks a sequence holds) stays with the engine's KV manager.
 """
 
@@ -13,9 +14,8 @@ from typing import Callable
 
 import torch
 
-from slimkv.attention.paged import AttentionMetadata, PagedAttention
+from slimkv.attention.layer import Kernels, PagedAttention
 from slimkv.config import Config, ConfigError
-from slimkv.kernels.step import LeanStep
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
 from slimkv.engine.memory import activation_peak, device_kv_budget, weight_bytes
@@ -23,6 +23,8 @@ from slimkv.model.lean import set_activations
 from slimkv.model.protocol import ModelLoader
 from slimkv.engine.sampling import LogitsProcessor, SampledToken, Sampler
 from slimkv.engine.sequence import Sequence
+from slimkv.engine.step_inputs import BlockTables, StepInputs, build_step
+from slimkv.stats import cdiv
 
 GiB = 1 << 30
 _CPU_BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
@@ -68,7 +70,8 @@ class ModelRunner:
     """Model, KV pool and attention for one engine; see the module doc."""
 
     def __init__(self, config: Config, loader: ModelLoader | None,
-                 processors: Callable[[ModelRunner], list[LogitsProcessor]] | None = None) -> None:
+                 processors: Callable[[ModelRunner], list[LogitsProcessor]] | None = None,
+                 kernels: Kernels | None = None) -> None:
         if loader is None:
             raise TypeError("an engine needs a model loader: build it with "
                             "slimkv.plugins.build_engine(config)")
@@ -105,14 +108,21 @@ class ModelRunner:
                                   device=self.device, **shape)
         self.staging = Staging(self.cache, self.num_staging_slots, self.dtype) if staged else None
         self.attention = PagedAttention(self.cache, args.num_heads, args.head_dim ** -0.5,
-                                        self.dtype, staging=self.staging)
-        if kv.strict and self.attention.fallback_reason:
+                                        self.dtype, staging=self.staging, kernels=kernels)
+        if kv.strict and self.attention.backend.fallback_reason:
             raise ConfigError(
                 f"kv_cache.strict: the {self.k_dtype}/{self.v_dtype} KV cache cannot run its "
-                f"quantized attention path on {self.device}: {self.attention.fallback_reason} "
+                f"quantized attention path on {self.device}: "
+                f"{self.attention.backend.fallback_reason} "
                 "(set kv_cache.strict: false to serve on the reference path anyway)")
+        # Chosen with the backend: the prefill pieces' mask dtype, planned in each step's
+        # metadata for the backends that attend in pieces.
+        self.piece_dtype = self.attention.backend.piece_dtype
+        self.block_tables = BlockTables(cdiv(self.max_model_len, kv.block_size), self.device,
+                                        max(8, self.num_staging_slots))
         self.sampler = Sampler(processors(self) if processors else [])
-        self.lean_step = LeanStep(self.model, self.attention)  # a decode step in one C call
+        # A step of decodes through every layer in one call, where the backend has one.
+        self.lean_step = self.attention.backend.one_call_step(self.model, self.attention)
 
     def _num_blocks(self, shape: dict) -> int:
         """``kv_cache.num_blocks``, or what ``memory_gb`` (unset on CUDA: the share
@@ -145,8 +155,8 @@ class ModelRunner:
                 ) -> list[tuple[Sequence, SampledToken]]:
         """Run the scheduled tokens; each sequence whose step reaches its last token
         samples one: ``(sequence, token)`` pairs in batch order."""
-        meta, rows, seqs = self._prepare(scheduled)
-        hidden = self._forward(scheduled, meta)
+        step, rows, seqs = self._prepare(scheduled)
+        hidden = self._forward(step)
         if not rows:
             return []
         # Every row samples in a step of decodes: no gather (rows only ever increase).
@@ -169,33 +179,24 @@ class ModelRunner:
     def logits(self, seq: Sequence, num_tokens: int) -> torch.Tensor:
         """Logits ``[num_tokens, vocab]`` of the sequence's next ``num_tokens`` tokens (its
         blocks must already hold room for them): teacher forcing, for scoring."""
-        meta, _, _ = self._prepare([(seq, num_tokens)])
-        return self.model.compute_logits(self._forward([(seq, num_tokens)], meta))
+        step, _, _ = self._prepare([(seq, num_tokens)])
+        return self.model.compute_logits(self._forward(step))
 
-    def _forward(self, scheduled: list[tuple[Sequence, int]],
-                 meta: AttentionMetadata) -> torch.Tensor:
-        ids, positions = [], []
-        for seq, n in scheduled:
-            start = seq.num_computed_tokens
-            ids += seq.token_ids[start:start + n]
-            positions += range(start, start + n)
-        dev = self.device
-        return self.model(torch.tensor(ids, dtype=torch.long, device=dev),
-                          torch.tensor(positions, dtype=torch.long, device=dev),
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        meta = step.meta
+        return self.model(step.ids, step.positions,
                           lambda layer, q, k, v: self.attention(layer, q, k, v, meta),
-                          self.lean_step.bind(meta))
+                          self.lean_step and self.lean_step.bind(meta))
 
     def _prepare(self, scheduled: list[tuple[Sequence, int]]
-                 ) -> tuple[AttentionMetadata, list[int], list[Sequence]]:
-        """The step's metadata, and the hidden-state row and sequence of each sampler."""
+                 ) -> tuple[StepInputs, list[int], list[Sequence]]:
+        """The step's inputs, and the hidden-state row and sequence of each sampler."""
         rows, seqs, end = [], [], 0
         for seq, n in scheduled:
             end += n
             if seq.num_computed_tokens + n == seq.num_tokens:
                 rows.append(end - 1)
                 seqs.append(seq)
-        meta = AttentionMetadata.build(
-            self.cache.block_size, [[b.block_id for b in seq.blocks] for seq, _ in scheduled],
-            [n for _, n in scheduled], [seq.num_computed_tokens + n for seq, n in scheduled],
-            self.device, [seq.staging_slot for seq, _ in scheduled] if self.staging else None)
-        return meta, rows, seqs
+        step = build_step(self.block_tables, scheduled, self.cache.block_size,
+                          self.staging is not None, self.piece_dtype)
+        return step, rows, seqs

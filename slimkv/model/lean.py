@@ -39,7 +39,7 @@ class QuantBlock(nn.Module):
     @property
     def parts(self) -> tuple:
         """(wqkv, wo, w13, w2, attention_norm, ffn_norm, layer index, head_dim, q heads,
-        q + kv heads): what the one-call decode step (slimkv.kernels.step) reads."""
+        q + kv heads): what the one-call decode step (slimkv.backends.cpu_step) reads."""
         return self._parts
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionFn) -> Tensor:

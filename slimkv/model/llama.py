@@ -204,7 +204,7 @@ class Transformer(nn.Module):
                 layers: Callable[[Tensor, Tensor], Tensor] | None = None) -> Tensor:
         """Hidden states [T, hidden] after the final norm for a flat batch of T tokens.
         ``layers(input_ids, positions)``, when given, computes the residual after the last
-        layer instead (the one-call decode step of slimkv.kernels.step)."""
+        layer instead (the one-call decode step of slimkv.backends.cpu_step)."""
         if layers is not None:
             return self.norm(layers(input_ids, positions))
         x = self.tok_embeddings(input_ids)

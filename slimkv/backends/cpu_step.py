@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import operator
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -24,7 +23,7 @@ from slimkv.kernels.qgemm import PRECISE, RMSNORM, SILU_MUL
 from slimkv.model.lean import QuantBlock
 from slimkv.model.quant import QuantEmbedding
 
-SOURCE = Path(__file__).with_name("decode_step.c")
+SOURCE = DECODE_SOURCE.with_name("decode_step.c")
 ptr, i32 = ctypes.c_void_p, ctypes.c_int32
 _PRECISE = operator.attrgetter("precise")
 
@@ -76,8 +75,9 @@ class LeanStep:
     """The embedding and all layers of a decode step in one call where it can run; see the
     module doc.
 
-    ``attention`` is the model's :class:`~slimkv.attention.paged.PagedAttention` (its
-    ``can_lean``, ``lean_layer`` and ``after_lean_step``); ``enabled`` = False keeps the
+    ``attention`` is the model's :class:`~slimkv.attention.layer.PagedAttention` (its
+    ``after_lean_step``; its :class:`~slimkv.backends.cpu.CpuBackend`'s ``can_lean`` and
+    ``lean_layer``); ``enabled`` = False keeps the
     per-op path (tests compare the two)."""
 
     def __init__(self, model: torch.nn.Module, attention: Any) -> None:
@@ -108,7 +108,7 @@ class LeanStep:
         (the residual after the last layer) for ``meta``, or None when the per-op path
         must run them."""
         plan = meta.decode
-        if not (self.enabled and self._fns and self.attention.can_lean(plan) and
+        if not (self.enabled and self._fns and self.attention.backend.can_lean(plan) and
                 len(plan.seq_lens) <= self._linears[0].kernel_rows):
             return None
         return lambda ids, positions: self._run(ids, positions, plan)
@@ -127,7 +127,7 @@ class LeanStep:
         table = (Layer * len(self._blocks))()
         for i, block in enumerate(self._blocks):
             wqkv, wo, w13, w2, attn_norm, ffn_norm, layer = block.parts[:7]
-            stage_k, stage_v, k_side, v_side = self.attention.lean_layer(layer)
+            stage_k, stage_v, k_side, v_side = self.attention.backend.lean_layer(layer)
             table[i] = Layer(_linear(wqkv, RMSNORM), _linear(wo, 0), _linear(w13, RMSNORM),
                              _linear(w2, SILU_MUL), attn_norm.weight.data_ptr(),
                              ffn_norm.weight.data_ptr(), attn_norm.eps, ffn_norm.eps,

@@ -1,0 +1,98 @@
+"""The CPU backend: decodes through the fused C kernel of :mod:`slimkv.kernels` (gather,
+dequantize and attend without a float copy of the cache: ``fused_decode``), prefill chunks
+as the torch backend's SDPA pieces (``fast_prefill``, a bf16 chunk in slimkv's own prefill
+kernel where the CPU has AVX512-BF16).
+
+A step of decodes only over a staged cache takes the *lean* decode in each layer: one C
+call stages K/V and rounds Q (:mod:`slimkv.kernels.stage`), full blocks go to the pool,
+then the kernel attends. The one-call step (:mod:`slimkv.backends.cpu_step`) runs the same
+for every layer at once (:meth:`CpuBackend.can_lean`, :meth:`lean_layer`,
+:meth:`after_lean_step`), also for an unstaged pool stored in the model dtype, which the
+stage kernel writes as it writes staging.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from slimkv.attention.metadata import AttentionMetadata, DecodePlan
+from slimkv.attention.sdpa import SdpaBackend
+from slimkv.backends.cpu_step import LeanStep
+from slimkv.kernels import KVSide, decode_kernel, describe, kernel_unavailable_reason
+from slimkv.kernels.stage import KINDS, stage_kernel
+from slimkv.kv.cache import PagedKVCache
+from slimkv.kv.quant import FloatCodec
+
+
+class CpuBackend(SdpaBackend):
+    decode_path = "fused_decode"
+
+    @staticmethod
+    def unavailable(cache: PagedKVCache) -> str | None:
+        if cache.device.type != "cpu":
+            return f"the fused C decode kernel is CPU-only (device {cache.device})"
+        return kernel_unavailable_reason()
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        cache, staging, dtype = self.cache, self.staging, self.dtype
+        self.kernel = decode_kernel()
+        self.sides: list[tuple[KVSide, KVSide]] = [
+            tuple(describe(cache.layer_codecs[layer][side], cache.layer_pool(side, layer))
+                  for side in ("k", "v")) for layer in range(cache.num_layers)]
+        lean = dtype in KINDS and (
+            staging.buffer.dtype == dtype if staging is not None else
+            all(isinstance(c, FloatCodec) and c.storage_dtype == dtype for c in cache.all_codecs()))
+        self.stage = stage_kernel() if lean else None
+        self._q = torch.empty(0)  # one float32 Q buffer, reused by every layer's lean decode
+
+    def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
+                meta: AttentionMetadata) -> tuple[Tensor, tuple[str, ...]]:
+        if self.staging is not None and self.can_lean(meta.decode):
+            return self._lean_decode(layer, q, k, v, meta.decode), (self.decode_path,)
+        return super().forward(layer, q, k, v, meta)
+
+    def decode(self, layer: int, q: Tensor, plan: DecodePlan, out: Tensor) -> None:
+        buffers = None if self.staging is None else self.staging.layer_buffers(layer)
+        out[plan.rows] = self.kernel(
+            q[plan.rows].float(), plan.block_tables, plan.seq_lens, *self.sides[layer],
+            self.cache.num_kv_heads, self.cache.block_size, self.scale,
+            None if buffers is None else (*buffers, plan.staging_slots)).to(self.dtype)
+
+    def _lean_decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
+                     plan: DecodePlan) -> Tensor:
+        take = self.stage.takes
+        if not (take(q) and take(k) and take(v)):
+            q, k, v = (x if take(x) else x.float().contiguous() for x in (q, k, v))
+        if self._q.shape != q.shape:
+            self._q = torch.empty(q.shape, dtype=torch.float32)
+        stage_k, stage_v = self.staging.layer_buffers(layer)
+        slots = plan.staging_slots
+        q = self.stage(q, k, v, self.dtype, stage_k, stage_v, slots, plan.offsets, self._q)
+        if plan.filled is not None:
+            self.staging.store_filled(layer, slots, plan.last_block_id, plan.filled)
+        return self.kernel(q, plan.block_tables, plan.seq_lens, *self.sides[layer],
+                           self.cache.num_kv_heads, self.cache.block_size, self.scale,
+                           (stage_k, stage_v, slots)).to(self.dtype)
+
+    def one_call_step(self, model: torch.nn.Module, attention) -> LeanStep:
+        return LeanStep(model, attention)
+
+    def can_lean(self, plan: DecodePlan | None) -> bool:
+        """Whether the step (``meta.decode``) is decodes only and takes the lean decode."""
+        return plan is not None and plan.whole and self.stage is not None
+
+    def lean_layer(self, layer: int) -> tuple[Tensor, Tensor, KVSide, KVSide]:
+        """Where a layer's new K, V go (staging, else the pool) and its pool sides, for the
+        one-call decode step."""
+        buffers = self.staging.layer_buffers(layer) if self.staging is not None else tuple(
+            self.cache.layer_pool(side, layer).data for side in ("k", "v"))
+        return (*buffers, *self.sides[layer])
+
+    def after_lean_step(self, plan: DecodePlan) -> None:
+        """After that step: filled blocks into the pool (its kernel read them from the
+        staging slots)."""
+        if self.staging is not None:
+            self.staging.store_filled_all_layers(plan.staging_slots, plan.last_block_id,
+                                                 plan.filled)
