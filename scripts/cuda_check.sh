@@ -119,9 +119,10 @@ step wheels 60 carry
 export PYTHONPATH=$WORK/site:$PWD PYTHONUNBUFFERED=1
 
 step versions 30 "$PY" - "$OUT/versions.json" <<'EOF'
-import json, os, platform, sys
+import json, os, platform, shutil, sys
 import numpy, torch, transformers, triton
 info = {"python": platform.python_version(), "glibc": " ".join(platform.libc_ver()),
+        "cc": shutil.which("cc") or shutil.which("gcc"),  # Triton builds its launcher with it
         "torch": torch.__version__, "triton": triton.__version__, "numpy": numpy.__version__,
         "transformers": transformers.__version__, "cuda": torch.version.cuda,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
