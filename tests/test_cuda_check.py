@@ -2,7 +2,8 @@
 a venv holding only what the GPU image has (Triton 3.6.0, no fastapi / uvicorn / pydantic /
 gguf / llguidance / ray) plus the carried wheels, at tiny shapes: each JSON it writes on a
 lent GPU is written here too, and is sane. The venv is cached under ~/.cache/slimkv-dryrun
-(its first build takes a minute or two from the local wheels; a run after that ~1.5 min)."""
+(its first build takes a minute or two from the local wheels; a run after that ~2.5 min).
+It also runs the interpreted kernel tests under Triton 3.6.0, CI's guard for that Triton."""
 
 from __future__ import annotations
 
@@ -29,9 +30,11 @@ def test_dry_run_writes_every_file(tmp_path: Path) -> None:
     assert result.returncode == 0, log
     steps = json.loads((tmp_path / "steps.json").read_text())
     assert [s["step"] for s in steps] == ["wheels", "versions", "checkpoint", "greedy",
-                                          "bench_engine", "cuda_tests", "prefill_tests"], log
+                                          "bench_engine", "cuda_tests", "prefill_tests",
+                                          "interpreter_tests"], log
     assert all(s["rc"] == 0 for s in steps), steps
-    assert sum(s["seconds"] for s in steps) < 340, steps  # the GPU run's deadline
+    gpu_steps = [s["seconds"] for s in steps if s["step"] != "interpreter_tests"]
+    assert sum(gpu_steps) < 340, steps  # the GPU run's deadline
 
     versions = json.loads((tmp_path / "versions.json").read_text())
     assert versions["triton"] == "3.6.0" and versions["dry_run"] and versions["gpu"] is None
@@ -41,6 +44,10 @@ def test_dry_run_writes_every_file(tmp_path: Path) -> None:
     # The 16-bit prefill tests: float16 passes under the interpreter, bf16 is GPU-only.
     prefill = (tmp_path / "prefill.log").read_text()
     assert "4 passed, 4 skipped" in prefill, prefill
+
+    # Every kernel test under Triton 3.6.0's interpreter (bf16 prefill: GPU only).
+    interpreted = (tmp_path / "interpreter.log").read_text()
+    assert "154 passed, 4 skipped" in interpreted, interpreted[-2000:]
 
     greedy = json.loads((tmp_path / "greedy.json").read_text())
     assert greedy["prompts"] == greedy["equal"] == 4, greedy
