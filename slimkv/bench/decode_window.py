@@ -68,7 +68,8 @@ def decode_window(engine: Any, seqs: list, max_steps: int,
 
 
 def prefill_steps_bound(batch: int, context: int, budget: int) -> int:
-    """At most how many steps a batch's prefill takes (chunks of the budget, plus one step
-    per sequence for the chunk that straddles two): the tokens the first-prefilled sequence
-    can decode before the window opens, so ``max_tokens`` must leave room for them."""
-    return -(-batch * context // max(1, budget)) + batch
+    """At most how many steps a batch's prefill takes (the budget less the decodes of those
+    already prefilled, plus one step per sequence for the chunk that straddles two): the
+    tokens the first-prefilled sequence can decode before the window opens, so
+    ``max_tokens`` must leave room for them."""
+    return -(-batch * context // max(1, budget - batch)) + batch
