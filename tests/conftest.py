@@ -1,5 +1,9 @@
 """Shared fixtures. Server fixtures: a real slimkv server (uvicorn in a background thread)
-on a free local port; one int8 server is shared by the whole session."""
+on a free local port; one int8 server is shared by the whole session.
+
+The server's packages (uvicorn, httpx, prometheus_client) are imported where they are used,
+not here: the GPU image that scripts/cuda_check.sh runs on has none of them, and its tests
+(tests/test_cuda.py, tests/test_triton_*.py) must still collect there."""
 
 from __future__ import annotations
 
@@ -11,15 +15,16 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import httpx
 import pytest
 import torch
-import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 
 from slimkv.config import Config
 from slimkv.engine.engine_stats import EngineStats, LaneCounts
+
+if TYPE_CHECKING:
+    import httpx
 
 # Triton reads TRITON_INTERPRET when it is first imported: on a machine without CUDA every
 # test runs its kernels on CPU tensors under the interpreter (tests/test_triton_*.py). On a
@@ -64,11 +69,16 @@ class LiveServer:
                              max_retries=0, timeout=120)
 
     def http(self) -> httpx.Client:
+        import httpx
+
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         return httpx.Client(base_url=self.url, headers=headers, timeout=120)
 
     def metric(self, name: str, **labels: str) -> float:
         """One sample of /metrics, e.g. ``metric("slimkv:kv_cache_blocks_used")``."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -97,6 +107,8 @@ def live_server(config: Config) -> Iterator[LiveServer]:
 @contextmanager
 def serve_app(app, port: int | None = None) -> Iterator[str]:
     """Run an ASGI app under uvicorn in a background thread; yields its base URL."""
+    import uvicorn
+
     port = port or free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

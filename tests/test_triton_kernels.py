@@ -22,8 +22,11 @@ import torch
 
 # Triton decides at import whether its own jit functions (tl.max, tl.sum...) are
 # interpreted: once imported without TRITON_INTERPRET=1 (torch._dynamo imports it, e.g. in a
-# whole-suite run), this file runs in a child process instead (see the end).
-IN_PROCESS = "triton" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1"
+# whole-suite run), this file runs in a child process instead (see the end). So it does on a
+# machine with CUDA: setting the variable here would send the compiled CUDA tests of the same
+# run (tests/test_cuda.py) to the interpreter too.
+IN_PROCESS = os.environ.get("TRITON_INTERPRET") == "1" or \
+    ("triton" not in sys.modules and not torch.cuda.is_available())
 if IN_PROCESS:
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")

@@ -48,9 +48,10 @@ import torch
 # As in test_triton_kernels.py: Triton decides at import whether its jit functions are
 # interpreted, so once imported without TRITON_INTERPRET=1 this file runs in a child.
 # SLIMKV_TRITON_TEST_DEVICE=cuda runs the compiled kernels on a GPU instead (and the bf16 test).
+# On a machine with CUDA the interpreted run goes to a child too, as in test_triton_kernels.py.
 DEVICE = torch.device(os.environ.get("SLIMKV_TRITON_TEST_DEVICE", "cpu"))
-IN_PROCESS = DEVICE.type != "cpu" or "triton" not in sys.modules or \
-    os.environ.get("TRITON_INTERPRET") == "1"
+IN_PROCESS = DEVICE.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1" or \
+    ("triton" not in sys.modules and not torch.cuda.is_available())
 if IN_PROCESS and DEVICE.type == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from slimkv.bench.capacity_cli import add_capacity_cli
@@ -61,9 +62,14 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     from slimkv.bench.engine import bench_engine
 
+    def save(partial: dict) -> None:  # after every dtype: a run cut short keeps what it has
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(partial, indent=2) + "\n")
+
     result = bench_engine(config_from_args(args), args.kv_dtypes, args.prompt_lens,
-                          args.batches, args.context, args.new_tokens)
-    return write_result(result, args)
+                          args.batches, args.context, args.new_tokens, on_result=save)
+    write_result(result, args)
+    return 1 if any("error" in row for row in result["results"].values()) else 0
 
 
 def cmd_bench_scheduling(args: argparse.Namespace) -> int:

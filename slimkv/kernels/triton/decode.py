@@ -18,7 +18,10 @@ import torch
 from torch import Tensor
 
 from slimkv.kernels.triton import side as fmt
+from slimkv.kernels.triton.interpret import fix_loop_bounds
 from slimkv.kernels.triton.side import TritonSide
+
+fix_loop_bounds()  # Triton 3.6's interpreter: loops over runtime bounds (interpret.py)
 
 _E4M3, _E5M2, _U4 = (tl.constexpr(k) for k in (fmt.E4M3, fmt.E5M2, fmt.U4))
 _TOKEN, _BLOCK = tl.constexpr(fmt.TOKEN), tl.constexpr(fmt.BLOCK)
@@ -83,7 +86,10 @@ def _attend_rows(q, k, v, tmask, m, l, acc):
     return m_new, l, acc
 
 
-@triton.jit
+# Integer arguments that change as tables grow or the batch changes are not specialized
+# (Triton otherwise compiles a variant per "== 1" and "% 16 == 0" of each): a warm GPU
+# never compiles inside a timed decode window.
+@triton.jit(do_not_specialize=["table_stride", "blocks_per_split", "num_splits"])
 def _decode_split(q, o_parts, lse_parts, tables, seq_lens, k_data, k_scale, k_zero,
                   v_data, v_scale, v_zero, staged_k, staged_v, slots, sm_scale, H,
                   table_stride, blocks_per_split, num_splits,
@@ -134,7 +140,7 @@ def _decode_split(q, o_parts, lse_parts, tables, seq_lens, k_data, k_scale, k_ze
              mask=keep[:, None] & dmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["blocks_per_split", "num_splits"])
 def _merge_splits(o_parts, lse_parts, out, seq_lens, blocks_per_split, num_splits,
                   BS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                   S_PAD: tl.constexpr):

@@ -9,6 +9,8 @@ bit for bit the codecs' (:mod:`slimkv.kernels.triton.write`).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 
@@ -20,13 +22,16 @@ class TritonPoolWriter:
     """Writes into ``cache``'s pool; the layers' :class:`TritonSide` views made on first use."""
 
     def __init__(self, cache) -> None:
-        self.cache = cache
+        # The cache holds its writer: a strong reference back would make a cycle that only
+        # the cyclic collector frees, keeping the whole pool on the device until it runs.
+        self._cache = weakref.ref(cache)
         self._sides: dict[int, tuple[TritonSide, TritonSide]] = {}
 
     def sides(self, layer: int) -> tuple[TritonSide, TritonSide]:
         if layer not in self._sides:
-            self._sides[layer] = tuple(describe(self.cache.layer_codecs[layer][side],
-                                                self.cache.layer_pool(side, layer))
+            cache = self._cache()
+            self._sides[layer] = tuple(describe(cache.layer_codecs[layer][side],
+                                                cache.layer_pool(side, layer))
                                        for side in ("k", "v"))
         return self._sides[layer]
 

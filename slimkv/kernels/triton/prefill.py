@@ -59,7 +59,9 @@ def _attend(q, k, v, visible, sm_scale, m, l, acc, PREC: tl.constexpr):
     return m_new, l, acc
 
 
-@triton.jit
+# Lengths change every chunk: not specialized, so Triton compiles no variant per value class
+# ("== 1", "% 16 == 0") inside a timed window.
+@triton.jit(do_not_specialize=["seq_len", "n", "staged_start", "num_staged"])
 def _prefill(q, out, table, k_data, k_scale, k_zero, v_data, v_scale, v_zero, staged_k,
              staged_v, seq_len, n, staged_start, num_staged, sm_scale, H,
              ROWS: tl.constexpr, BS: tl.constexpr, BS_PAD: tl.constexpr, D: tl.constexpr,

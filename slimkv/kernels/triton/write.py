@@ -20,7 +20,10 @@ import triton.language as tl
 from torch import Tensor
 
 from slimkv.kernels.triton import side as fmt
+from slimkv.kernels.triton.interpret import fix_loop_bounds
 from slimkv.kernels.triton.side import TritonSide
+
+fix_loop_bounds()  # Triton 3.6's interpreter: loops over runtime bounds (interpret.py)
 
 _BF16, _F16, _I8, _E4M3, _U4 = (tl.constexpr(k) for k in (fmt.BF16, fmt.F16, fmt.I8, fmt.E4M3,
                                                            fmt.U4))
