@@ -23,6 +23,7 @@ from conftest import serve_app
 from slimkv.engine.outputs import RequestOutput
 from slimkv.server.app import create_app
 from slimkv.server.config import ServerConfig
+from slimkv.server.scoring import PromptInfo, TokenScore
 
 KEY = "fuzz-key"
 MAX_EXAMPLES = 60
@@ -38,6 +39,11 @@ class OneTokenBackend:
 
     async def generate(self, request):
         params = request.params = request.make_params(3)  # SamplingParams checks run
+        if request.wants_prompt:  # what the engine thread sets: a three-token prompt
+            scores = None if request.prompt_logprobs is None else [None] + [
+                TokenScore(-1.0, 1, [(7, -1.0)] * request.prompt_logprobs)] * 2
+            request.prompt_info = PromptInfo([5, 6, 7], "abc", scores,
+                                             {5: "a", 6: "b", 7: "c"})
         for index in range(params.n):
             yield RequestOutput(request.request_id, [7], "ok", True, "length", 3, 1, 0,
                                 text="ok", token_ids=[7], index=index)
@@ -80,4 +86,6 @@ def test_no_5xx_and_no_dropped_connection(case, connection):
         assert error["message"] and error["type"] and error["code"]
     elif b"[DONE]" not in payload:
         reply = json.loads(payload)
-        assert len(reply["choices"]) == (body or {}).get("n", 1)
+        prompt = (body or {}).get("prompt")
+        many = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
+        assert len(reply["choices"]) == (body or {}).get("n", 1) * (len(prompt) if many else 1)

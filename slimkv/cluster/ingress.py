@@ -14,9 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from ray import serve
@@ -31,11 +31,15 @@ from slimkv.cluster.wire import RouteHint, WireError, WireRequest
 from slimkv.config import Config
 from slimkv.model_io.loader import load_tokenizer
 from slimkv.engine.outputs import RequestOutput
+from slimkv.model.protocol import Tokenizer
 from slimkv.server.app import create_app
 from slimkv.server.async_engine import GenerateRequest
+from slimkv.server.generate_request import prompt_ids
+from slimkv.server.scoring import describe_prompt
 from slimkv.server.errors import APIError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 FANOUT_TIMEOUT_S = 2.0  # per replica; a dead one is left out of that answer
 REPLICA_LOST = (RayActorError, ActorDiedError, ActorUnavailableError)
 
@@ -70,6 +74,9 @@ class ClusterBackend:
     def stop(self) -> None:
         pass
 
+    async def tokenizer_call(self, fn: Callable[[Tokenizer], T]) -> T:
+        return fn(self.tokenizer)  # the ingress's own copy: no engine to wait for
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         wire, keys = self._prepare(request)
         for attempt in (1, 2):
@@ -88,16 +95,18 @@ class ClusterBackend:
                 log.warning("replica %s failed before answering; retrying", request.replica)
 
     def _prepare(self, request: GenerateRequest) -> tuple[WireRequest, RouteKeys]:
+        if request.prompt_logprobs is not None:  # the scoring pass is not wired to replicas
+            raise APIError(400, "prompt logprobs (echo with logprobs, prompt_logprobs) are "
+                           "not available with --replicas yet", "unsupported_parameter",
+                           "prompt_logprobs")
         try:
-            if request.chat:
-                ids = self.tokenizer.apply_chat_template(request.prompt)
-            elif isinstance(request.prompt, str):
-                ids = self.tokenizer.encode(request.prompt)
-            else:
-                ids = list(request.prompt)
+            ids = prompt_ids(self.tokenizer, request)
             params = request.params = request.make_params(len(ids))
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_value") from exc
+        if request.echo:
+            text = request.prompt if isinstance(request.prompt, str) else None
+            request.prompt_info = describe_prompt(self.tokenizer, ids, text)
         keys = RouteKeys(request.session_id,
                          routing_hashes(ids, self.block_size, self.routing_blocks))
         return WireRequest(request.request_id, ids, params, request.session_id), keys
