@@ -63,7 +63,7 @@ class Tokenizer:
                 messages, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, tokenize=True,
                 return_dict=False, **kwargs)
-        except (TemplateError, IndexError) as exc:  # the template's own raise_exception()
+        except (TemplateError, IndexError, TypeError) as exc:  # e.g. its raise_exception()
             raise ValueError(f"the chat template cannot render these messages: {exc}") from exc
         return list(ids)
 

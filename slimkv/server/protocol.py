@@ -29,9 +29,10 @@ MAX_PROMPT_LOGPROBS = 20    # vLLM's default max_logprobs
 # apply_chat_template's own parameters and the template's fixed variables: a request's
 # chat_template_kwargs may not override them (they have fields of their own, or none).
 RESERVED_TEMPLATE_KWARGS = frozenset({
-    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+    "self", "messages", "conversation", "tools", "documents", "chat_template",
+    "add_generation_prompt", "continue_final_message", "tokenize", "sanitize_control_tokens",
+    "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 class StreamOptions(BaseModel):
