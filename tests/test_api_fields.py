@@ -162,11 +162,12 @@ BOTH = {"min_p": 0.1, "use_beam_search": True, "length_penalty": 0.5,
         "truncate_prompt_tokens": 4, "allowed_token_ids": [1, 2], "bad_words": ["x"],
         "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"],
         "guided_grammar": "root ::= 'a'", "guided_decoding_backend": "xgrammar",
-        "guided_whitespace_pattern": " ", "structured_outputs": {"json": {}}, "priority": 1,
+        "guided_whitespace_pattern": " ", "structured_outputs": {"json": {}},
+        "structural_tag": "{}", "best_of": 3, "priority": 1,
         "request_id": "mine", "logits_processors": ["x"], "return_tokens_as_token_ids": True,
         "return_token_ids": True, "cache_salt": "s", "kv_transfer_params": {},
         "vllm_xargs": {"a": 1}, "store": True, "service_tier": "flex"}
-COMPLETIONS = {**BOTH, "suffix": "the end", "best_of": 3, "prompt_embeds": "AAAA"}
+COMPLETIONS = {**BOTH, "suffix": "the end", "prompt_embeds": "AAAA"}
 CHAT = {**BOTH, "audio": {"voice": "alloy", "format": "mp3"}, "modalities": ["text", "audio"],
         "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
         "verbosity": "low", "web_search_options": {}, "functions": [{"name": "f"}],

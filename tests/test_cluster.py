@@ -231,8 +231,8 @@ def test_killing_a_replica_mid_stream_loses_no_session(cluster):
 
 
 def test_echo_tokenize_and_template_controls_through_the_ingress(cluster, server):
-    """Issue 45's fields answer as on the single-engine server; prompt logprobs (a scoring
-    pass on a replica, not wired yet) are a 400, not silently dropped."""
+    """Issue 45's fields answer as on the single-engine server, prompt logprobs (scored
+    on the replica, sent back before the first output) included."""
     body = {"model": cluster.model, "prompt": ["The sky is", "Grass is"], "max_tokens": 3,
             "temperature": 0, "echo": True}
     with cluster.http() as http, server.http() as single:
@@ -240,9 +240,15 @@ def test_echo_tokenize_and_template_controls_through_the_ingress(cluster, server
         assert got.status_code == 200, got.text
         assert [c["text"] for c in got.json()["choices"]] == [
             c["text"] for c in want.json()["choices"]]
-        for extra in ({"logprobs": 1}, {"prompt_logprobs": 0}):
-            r = http.post("/v1/completions", json={**body, **extra}, timeout=TIMEOUT)
-            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+        scored = {**body, "logprobs": 1, "prompt_logprobs": 2}
+        got, want = (h.post("/v1/completions", json=scored, timeout=TIMEOUT)
+                     for h in (http, single))
+        assert got.status_code == 200, got.text
+        for mine, theirs in zip(got.json()["choices"], want.json()["choices"]):
+            assert mine["prompt_logprobs"] == theirs["prompt_logprobs"]  # the same score()
+            n = len(mine["prompt_logprobs"])
+            assert mine["logprobs"]["token_logprobs"][:n] == theirs["logprobs"]["token_logprobs"][:n]
+            assert mine["text"] == theirs["text"]
         chat = {"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": False}
         got, want = (h.post("/tokenize", json=chat, timeout=TIMEOUT) for h in (http, single))
         assert got.status_code == 200 and got.json() == want.json()

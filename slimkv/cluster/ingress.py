@@ -35,7 +35,7 @@ from slimkv.model.protocol import Tokenizer
 from slimkv.server.app import create_app
 from slimkv.server.async_engine import GenerateRequest
 from slimkv.server.generate_request import prompt_ids
-from slimkv.server.scoring import describe_prompt
+from slimkv.server.scoring import PromptInfo, describe_prompt
 from slimkv.server.errors import APIError
 
 log = logging.getLogger(__name__)
@@ -95,21 +95,22 @@ class ClusterBackend:
                 log.warning("replica %s failed before answering; retrying", request.replica)
 
     def _prepare(self, request: GenerateRequest) -> tuple[WireRequest, RouteKeys]:
-        if request.prompt_logprobs is not None:  # the scoring pass is not wired to replicas
-            raise APIError(400, "prompt logprobs (echo with logprobs, prompt_logprobs) are "
-                           "not available with --replicas yet", "unsupported_parameter",
-                           "prompt_logprobs")
         try:
             ids = prompt_ids(self.tokenizer, request)
             params = request.params = request.make_params(len(ids))
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_value") from exc
-        if request.echo:
-            text = request.prompt if isinstance(request.prompt, str) else None
-            request.prompt_info = describe_prompt(self.tokenizer, ids, text)
+        if request.echo and request.prompt_logprobs is None:  # else the replica's scores
+            request.prompt_info = describe_prompt(self.tokenizer, ids, self._text(request))
         keys = RouteKeys(request.session_id,
                          routing_hashes(ids, self.block_size, self.routing_blocks))
-        return WireRequest(request.request_id, ids, params, request.session_id), keys
+        return WireRequest(request.request_id, ids, params, request.session_id,
+                           request.prompt_logprobs), keys
+
+    @staticmethod
+    def _text(request: GenerateRequest) -> str | None:
+        """A text prompt as sent (echo shows it); None: decode the ids."""
+        return request.prompt if isinstance(request.prompt, str) and not request.chat else None
 
     async def _stream(self, request: GenerateRequest, wire: WireRequest,
                       keys: RouteKeys) -> AsyncIterator[RequestOutput]:
@@ -119,6 +120,10 @@ class ClusterBackend:
             async for item in stream:
                 if isinstance(item, str):
                     request.replica = item
+                    continue
+                if isinstance(item, PromptInfo):  # the replica's scoring of the prompt
+                    item.text = self._text(request) or item.text
+                    request.prompt_info = item
                     continue
                 if isinstance(item, WireError):
                     finished = True

@@ -61,7 +61,9 @@ BOTH = [
     Field("bad_words", truthy, "is not implemented; use logit_bias"),
     *(Field(name, given, GUIDED) for name in (
         "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-        "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs")),
+        "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
+        "structural_tag")),
+    Field("best_of", _best_of, "above n is not implemented (no candidates are ranked)"),
     Field("priority", other_than(0), "(priority scheduling) is not implemented"),
     Field("request_id", given, "is not implemented: the server names each request"),
     Field("logits_processors", truthy, "(custom logits processors) is not implemented"),
@@ -77,7 +79,6 @@ BOTH = [
 COMPLETIONS = [
     *BOTH,
     Field("suffix", truthy, "(insertion after the completion) is not implemented"),
-    Field("best_of", _best_of, "above n is not implemented (no candidates are ranked)"),
     Field("prompt_embeds", given, "is not implemented; send text or token ids"),
 ]
 CHAT = [
