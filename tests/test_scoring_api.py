@@ -160,6 +160,13 @@ def test_echo_with_max_tokens_zero_returns_the_prompt_only(server, reference):
     assert len(choice["logprobs"]["tokens"]) == len(ids)
     assert reply["usage"]["completion_tokens"] == 0
     assert reply["usage"]["prompt_tokens"] == len(ids)
+    with server.http() as http:  # streamed: one chunk, the same choice
+        r = http.post("/v1/completions", json={"model": server.model, "prompt": text,
+                                               "echo": True, "logprobs": 0, "max_tokens": 0,
+                                               "stream": True})
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert [c["choices"][0] for c in chunks] == [choice]
 
 
 @pytest.mark.parametrize("path, fields, param", [
