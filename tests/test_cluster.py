@@ -228,3 +228,27 @@ def test_killing_a_replica_mid_stream_loses_no_session(cluster):
     assert len(now) == 2 and names[1] in now and names[0] not in now
     r = chat(cluster, [{"role": "user", "content": "Hi"}], session_id=other_session)
     assert r.status_code == 200 and r.headers[REPLICA_HEADER] in now
+
+
+def test_echo_tokenize_and_template_controls_through_the_ingress(cluster, server):
+    """Issue 45's fields answer as on the single-engine server, prompt logprobs (scored
+    on the replica, sent back before the first output) included."""
+    body = {"model": cluster.model, "prompt": ["The sky is", "Grass is"], "max_tokens": 3,
+            "temperature": 0, "echo": True}
+    with cluster.http() as http, server.http() as single:
+        got, want = (h.post("/v1/completions", json=body, timeout=TIMEOUT) for h in (http, single))
+        assert got.status_code == 200, got.text
+        assert [c["text"] for c in got.json()["choices"]] == [
+            c["text"] for c in want.json()["choices"]]
+        scored = {**body, "logprobs": 1, "prompt_logprobs": 2}
+        got, want = (h.post("/v1/completions", json=scored, timeout=TIMEOUT)
+                     for h in (http, single))
+        assert got.status_code == 200, got.text
+        for mine, theirs in zip(got.json()["choices"], want.json()["choices"]):
+            assert mine["prompt_logprobs"] == theirs["prompt_logprobs"]  # the same score()
+            n = len(mine["prompt_logprobs"])
+            assert mine["logprobs"]["token_logprobs"][:n] == theirs["logprobs"]["token_logprobs"][:n]
+            assert mine["text"] == theirs["text"]
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": False}
+        got, want = (h.post("/tokenize", json=chat, timeout=TIMEOUT) for h in (http, single))
+        assert got.status_code == 200 and got.json() == want.json()

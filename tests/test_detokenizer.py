@@ -10,10 +10,20 @@ from slimkv.engine.sequence import Sequence
 
 class ByteTokenizer:
     """Token ``i`` is byte ``i``; decoding replaces an incomplete UTF-8 tail with U+FFFD,
-    as real byte-level tokenizers do."""
+    as real byte-level tokenizers do. Token 256 is a special end-of-turn token."""
 
-    def decode(self, ids: list[int]) -> str:
-        return bytes(ids).decode("utf-8", errors="replace")
+    eos_token_ids = frozenset({256})
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        pieces, run = [], bytearray()
+        for i in ids:
+            if i == 256:
+                pieces += [run.decode("utf-8", errors="replace"),
+                           "" if skip_special_tokens else "<|end|>"]
+                run = bytearray()
+            else:
+                run.append(i)
+        return "".join(pieces) + run.decode("utf-8", errors="replace")
 
 
 def stream(text: bytes, stop: list[str] | None = None) -> tuple[list[str], Sequence]:
@@ -52,3 +62,19 @@ def test_the_longest_stop_prefix_wins() -> None:
     # "S" may start either; "ST", "STO" may start STOP; "STOS" ends in "S" (SS, STOP).
     assert deltas == ["x", "", "", "", "STO"]
     assert seq.finish_reason is None
+
+
+def test_special_tokens_kept_on_request_but_never_the_end_of_turn() -> None:
+    """``skip_special_tokens: false`` shows special tokens, except the end-of-turn token
+    that ends the output (vLLM's rule)."""
+    for skip in (True, False):
+        seq = Sequence("r", [0], SamplingParams(skip_special_tokens=skip))
+        detok = Detokenizer(ByteTokenizer())
+        for token in (*b"h", 256, *b"i"):  # as with ignore_eos: no stop at the first
+            seq.token_ids.append(token)
+            detok.update(seq)
+        assert seq.output_text == ("hi" if skip else "h<|end|>i")
+        seq.token_ids.append(256)
+        seq.finish_reason = "stop"  # as the engine sets it for an end-of-turn token
+        detok.update(seq)
+        assert seq.output_text == ("hi" if skip else "h<|end|>i")

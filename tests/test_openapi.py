@@ -44,6 +44,25 @@ def test_generation_routes_declare_their_bodies():
         assert _resolve(schema, error["$ref"])["required"] == ["error"]
 
 
+def test_the_issue_45_fields_are_described():
+    """Scoring, template and detokenizer options, and vLLM's tokenizer routes."""
+    schema = _schema()
+    props = {name: _resolve(schema, f"/{name}")["properties"]
+             for name in ("ChatCompletionRequest", "CompletionRequest")}
+    shared = {"prompt_logprobs", "stop_token_ids", "skip_special_tokens"}
+    assert shared | {"echo", "add_special_tokens"} <= set(props["CompletionRequest"])
+    assert shared | {"chat_template_kwargs", "add_generation_prompt",
+                     "continue_final_message"} <= set(props["ChatCompletionRequest"])
+    prompt_kinds = {(kind["type"], kind.get("items", {}).get("type"))
+                    for kind in props["CompletionRequest"]["prompt"]["anyOf"]}
+    assert prompt_kinds == {("string", None), ("array", "integer"), ("array", "string"),
+                            ("array", "array")}  # a text, ids, or a list of either
+    for path in ("/tokenize", "/detokenize"):
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        assert body["schema"]
+    assert "/tokenizer_info" in schema["paths"]
+
+
 def test_every_reference_resolves():
     schema = _schema()
     text = str(schema)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from ray import serve
@@ -31,11 +31,15 @@ from slimkv.cluster.wire import RouteHint, WireError, WireRequest
 from slimkv.config import Config
 from slimkv.model_io.loader import load_tokenizer
 from slimkv.engine.outputs import RequestOutput
+from slimkv.model.protocol import Tokenizer
 from slimkv.server.app import create_app
 from slimkv.server.async_engine import GenerateRequest
+from slimkv.server.generate_request import prompt_ids
+from slimkv.server.scoring import PromptInfo, describe_prompt
 from slimkv.server.errors import APIError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 FANOUT_TIMEOUT_S = 2.0  # per replica; a dead one is left out of that answer
 REPLICA_LOST = (RayActorError, ActorDiedError, ActorUnavailableError)
 
@@ -70,6 +74,9 @@ class ClusterBackend:
     def stop(self) -> None:
         pass
 
+    async def tokenizer_call(self, fn: Callable[[Tokenizer], T]) -> T:
+        return fn(self.tokenizer)  # the ingress's own copy: no engine to wait for
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         wire, keys = self._prepare(request)
         for attempt in (1, 2):
@@ -89,18 +96,21 @@ class ClusterBackend:
 
     def _prepare(self, request: GenerateRequest) -> tuple[WireRequest, RouteKeys]:
         try:
-            if request.chat:
-                ids = self.tokenizer.apply_chat_template(request.prompt)
-            elif isinstance(request.prompt, str):
-                ids = self.tokenizer.encode(request.prompt)
-            else:
-                ids = list(request.prompt)
+            ids = prompt_ids(self.tokenizer, request)
             params = request.params = request.make_params(len(ids))
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_value") from exc
+        if request.echo and request.prompt_logprobs is None:  # else the replica's scores
+            request.prompt_info = describe_prompt(self.tokenizer, ids, self._text(request))
         keys = RouteKeys(request.session_id,
                          routing_hashes(ids, self.block_size, self.routing_blocks))
-        return WireRequest(request.request_id, ids, params, request.session_id), keys
+        return WireRequest(request.request_id, ids, params, request.session_id,
+                           request.prompt_logprobs), keys
+
+    @staticmethod
+    def _text(request: GenerateRequest) -> str | None:
+        """A text prompt as sent (echo shows it); None: decode the ids."""
+        return request.prompt if isinstance(request.prompt, str) and not request.chat else None
 
     async def _stream(self, request: GenerateRequest, wire: WireRequest,
                       keys: RouteKeys) -> AsyncIterator[RequestOutput]:
@@ -110,6 +120,10 @@ class ClusterBackend:
             async for item in stream:
                 if isinstance(item, str):
                     request.replica = item
+                    continue
+                if isinstance(item, PromptInfo):  # the replica's scoring of the prompt
+                    item.text = self._text(request) or item.text
+                    request.prompt_info = item
                     continue
                 if isinstance(item, WireError):
                     finished = True

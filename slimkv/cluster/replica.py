@@ -68,9 +68,13 @@ class EngineReplica:
                        wire: WireRequest) -> AsyncIterator[str | RequestOutput | WireError]:
         yield self.name
         request = GenerateRequest(wire.request_id, wire.prompt_ids, False,
-                                  lambda _: wire.params, session_id=wire.session_id)
+                                  lambda _: wire.params, session_id=wire.session_id,
+                                  prompt_logprobs=wire.prompt_logprobs)
         try:
             async for out in self.engine.generate(request):
+                if request.prompt_info is not None:  # set on admission: before any output
+                    yield request.prompt_info
+                    request.prompt_info = None
                 yield out
         except APIError as exc:
             yield WireError.of(exc)

@@ -28,6 +28,7 @@ class WireRequest:
     prompt_ids: list[int]
     params: SamplingParams
     session_id: str | None = None
+    prompt_logprobs: int | None = None  # the replica scores the prompt (slimkv.server.scoring)
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,7 +63,10 @@ class Detokenizer:
         """The new text to emit. Sets a ``stop`` finish if a stop string appears; the stop
         string itself is never part of the output."""
         emitted = seq.num_emitted_chars
-        text = self.tokenizer.decode(seq.output_token_ids)
+        ids = seq.output_token_ids
+        if seq.finish_reason == "stop" and ids[-1] in self.tokenizer.eos_token_ids:
+            ids = ids[:-1]  # the end-of-turn token's text is never output (vLLM's rule)
+        text = self.tokenizer.decode(ids, seq.params.skip_special_tokens)
         stops = seq.params.stop if seq.num_output_tokens >= seq.params.min_tokens else []
         if stops:
             start = max(0, emitted - max(len(s) for s in stops))

@@ -16,7 +16,8 @@ class SamplingParams:
     alternatives (0: the sampled token's only; None: none), computed from the model's raw
     logits (before penalties, bias, grammar and temperature). ``json_schema``: the output
     must be JSON matching this schema (a JSON string; ``{}`` or ``{"type": "object"}`` for
-    plain JSON mode). ``n`` outputs share the prompt's prefill through the prefix cache.
+    plain JSON mode). ``skip_special_tokens``: leave special tokens out of the text.
+    ``n`` outputs share the prompt's prefill through the prefix cache.
     """
 
     max_tokens: int = 16
@@ -33,6 +34,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
+    skip_special_tokens: bool = True
     json_schema: str | None = None
     n: int = 1
 

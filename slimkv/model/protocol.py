@@ -9,7 +9,7 @@ Face checkpoints with their Hugging Face tokenizer), as it hands it the KV conne
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -24,17 +24,18 @@ class Tokenizer(Protocol):
     name: str
     eos_token_ids: frozenset[int]   # any of them ends generation (unless ``ignore_eos``)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A prompt's ids (the tokenizer decides about BOS)."""
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """The text of ``ids``, special tokens skipped."""
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``ids``, special tokens skipped unless asked otherwise."""
 
     def token_texts(self, ids: Sequence[int]) -> list[str]:
         """Each token's own text (special tokens included), for log-probabilities."""
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """The prompt ids of a chat (``ValueError`` when the model has no template)."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+        """The prompt ids of a chat (``ValueError`` when the model has no template);
+        ``options``: ``add_generation_prompt``, ``continue_final_message``, template variables."""
 
 
 class ModelLoader(Protocol):

@@ -6,7 +6,9 @@ import json
 import os
 import re
 from collections.abc import Iterable, Sequence
+from typing import Any
 
+from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 # End-of-turn / end-of-document markers that stop generation when a model's vocab has them.
@@ -38,23 +40,31 @@ class Tokenizer:
         hf = AutoTokenizer.from_pretrained(path)
         return cls(hf, os.path.basename(os.path.normpath(path)), _declared_eos(path))
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # add_special_tokens lets the tokenizer's own post-processor decide about BOS.
-        return self.hf.encode(text, add_special_tokens=True)
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_texts(self, ids: Sequence[int]) -> list[str]:
         """Each token's own text (special tokens included), for log-probabilities."""
         return self.hf.batch_decode([[i] for i in ids])
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], *,
+                            add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **kwargs: Any) -> list[int]:
+        """``kwargs`` become variables of the template (a request's ``chat_template_kwargs``)."""
         if not self.hf.chat_template:
             raise ValueError(f"model {self.name!r} has no chat template; "
                              "send a plain prompt instead")
-        ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                          return_dict=False)
+        try:
+            ids = self.hf.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tokenize=True,
+                return_dict=False, **kwargs)
+        except (TemplateError, IndexError, TypeError) as exc:  # e.g. its raise_exception()
+            raise ValueError(f"the chat template cannot render these messages: {exc}") from exc
         return list(ids)
 
 

@@ -27,8 +27,11 @@ from slimkv.server.errors import APIError, install_error_handlers
 from slimkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from slimkv.server.protocol import (ChatCompletionRequest, CompletionRequest, SamplingRequest,
                                     model_card)
-from slimkv.server.responses import ChatFormat, CompletionFormat, ResponseFormat, respond
+from slimkv.server.responses import (ChatFormat, CompletionFormat, ResponseFormat, merge_outputs,
+                                     respond)
 from slimkv.server.schema import Completion, ChatCompletion, generation_route, install_schema
+from slimkv.server.tokenize import TOKENIZER_REQUESTS, install_tokenizer_routes
+from slimkv.server.unsupported import CHAT, COMPLETIONS, refuse_unsupported
 
 DEFAULT_MAX_TOKENS = 512  # when a request sets none: this, or the room left in the context
 
@@ -63,32 +66,43 @@ def create_app(engine: Backend, server: ServerConfig) -> FastAPI:
     install_error_handlers(app)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(server.api_key))])
 
-    async def generate(body: SamplingRequest, prompt: Any, fmt: ResponseFormat,
-                       http: Request) -> Response:
+    async def generate(body: SamplingRequest, prompts: list[Any], fmt: ResponseFormat,
+                       http: Request, **options: Any) -> Response:
+        """One engine request per prompt (``options``: GenerateRequest's fields)."""
         if body.model != model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                            f"{model_name!r}", "model_not_found", "model")
         body.check(server.max_n)
-        request = GenerateRequest(
-            fmt.request_id, prompt, isinstance(body, ChatCompletionRequest),
+        fmt.n, fmt.prompt_logprobs, fmt.echo_only = body.n, body.prompt_logprobs, body.echo_only
+        session_id = body.session_id or http.headers.get("x-session-id") or None
+        fmt.requests = [GenerateRequest(
+            fmt.request_id if len(prompts) == 1 else f"{fmt.request_id}-{p}", prompt,
+            isinstance(body, ChatCompletionRequest),
             lambda n: body.sampling_params(max(1, min(DEFAULT_MAX_TOKENS, max_model_len - n))),
-            session_id=body.session_id or http.headers.get("x-session-id") or None)
-        response = await respond(engine.generate(request), body, fmt, http)
-        if request.replica is not None:
-            response.headers[REPLICA_HEADER] = request.replica
+            session_id=session_id, prompt_logprobs=body.prompt_logprobs_k, **options)
+            for p, prompt in enumerate(prompts)]
+        streams = [engine.generate(r) for r in fmt.requests]
+        outputs = streams[0] if len(streams) == 1 else merge_outputs(streams, body.n)
+        response = await respond(outputs, body, fmt, http, body.n * len(prompts))
+        if replicas := sorted({r.replica for r in fmt.requests if r.replica is not None}):
+            response.headers[REPLICA_HEADER] = ",".join(replicas)
         return response
 
     @v1.post("/chat/completions", **generation_route(ChatCompletionRequest, ChatCompletion))
     async def chat_completions(request: Request) -> Response:
-        body = await read_body(request, ChatCompletionRequest, server.max_body_bytes)
-        messages = [m.as_template_message() for m in body.messages]
-        return await generate(body, messages, ChatFormat(_new_id("chatcmpl"), model_name), request)
+        body = await read_body(request, ChatCompletionRequest, server.max_body_bytes,
+                               lambda data: refuse_unsupported(data, CHAT))
+        return await generate(body, [body.template_messages()], ChatFormat(_new_id("chatcmpl"), model_name),
+                              request, template=body.template_options())
 
     @v1.post("/completions", **generation_route(CompletionRequest, Completion))
     async def completions(request: Request) -> Response:
-        body = await read_body(request, CompletionRequest, server.max_body_bytes)
-        return await generate(body, body.prompt, CompletionFormat(_new_id("cmpl"), model_name),
-                              request)
+        body = await read_body(request, CompletionRequest, server.max_body_bytes,
+                               lambda data: refuse_unsupported(data, COMPLETIONS))
+        fmt = CompletionFormat(_new_id("cmpl"), model_name, echo=body.echo,
+                               echo_k=body.logprobs or 0)
+        return await generate(body, body.prompts, fmt, request, echo=body.echo,
+                              add_special_tokens=body.add_special_tokens)
 
     @v1.get("/models")
     async def models() -> dict[str, Any]:
@@ -103,8 +117,9 @@ def create_app(engine: Backend, server: ServerConfig) -> FastAPI:
         return Response(await engine.exposition(), media_type=CONTENT_TYPE)
 
     install_dashboard(app, v1, engine, server.api_key)
+    install_tokenizer_routes(app, engine, server, bearer_auth(server.api_key))
     app.include_router(v1)
-    install_schema(app, [ChatCompletionRequest, CompletionRequest])
+    install_schema(app, [ChatCompletionRequest, CompletionRequest, *TOKENIZER_REQUESTS])
     return app
 
 

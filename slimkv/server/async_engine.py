@@ -20,52 +20,24 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from slimkv.engine.llm_engine import LLMEngine, RequestError
 from slimkv.engine.engine_stats import EngineStats
 from slimkv.engine.outputs import RequestOutput
-from slimkv.engine.sampling import SamplingParams
+from slimkv.model.protocol import Tokenizer
 from slimkv.server.cache_state import CacheHistory
 from slimkv.server.canary import Canary
 from slimkv.server.errors import APIError, ServerBusy
+from slimkv.server.generate_request import GenerateRequest, Item, prompt_ids
 from slimkv.server.metrics import CounterDeltas, ServerMetrics
+from slimkv.server.scoring import describe_prompt, score_prompt
 
 log = logging.getLogger(__name__)
 
-Messages = list[dict[str, str]]
-Item = RequestOutput | APIError
+__all__ = ["AsyncEngine", "GenerateRequest"]
 T = TypeVar("T")
 StepHook = Callable[[EngineStats, dict[str, int], list[RequestOutput]], None]
-
-
-@dataclass(slots=True)
-class GenerateRequest:
-    """What a handler asks for. Tokenizing happens on the engine thread (the tokenizer is
-    not shared across threads); ``make_params`` gets the prompt length, so the default
-    ``max_tokens`` can depend on the room left in the context window."""
-
-    request_id: str
-    prompt: str | list[int] | Messages
-    chat: bool
-    make_params: Callable[[int], SamplingParams]
-    session_id: str | None = None
-    replica: str | None = None                 # the cluster replica serving it (a header)
-    prompt_ids: list[int] | None = None        # set on the engine thread when admitted
-    params: SamplingParams | None = None
-    loop: asyncio.AbstractEventLoop | None = None  # set by AsyncEngine.generate
-    queue: asyncio.Queue[Item] | None = None
-    num_finished: int = 0                      # of its n choices
-
-    def finishes(self, out: RequestOutput) -> bool:
-        """Count a finished choice; True when this output ends the whole request."""
-        self.num_finished += out.finished
-        return self.num_finished >= (self.params.n if self.params else 1)
-
-    def deliver(self, item: Item) -> None:
-        if not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 class AsyncEngine:
@@ -221,10 +193,15 @@ class AsyncEngine:
                                        f"(scheduler.max_queue={self.max_queue}); retry later"))
             return
         try:
-            request.prompt_ids = self._tokenize(request)
+            request.prompt_ids = prompt_ids(self.engine.tokenizer, request)
             request.params = request.make_params(len(request.prompt_ids))
+            if request.wants_prompt:
+                self._describe_prompt(request)
             self.engine.add_request(request.prompt_ids, request.params, request.request_id,
                                     request.session_id)
+        except APIError as exc:
+            request.deliver(exc)
+            return
         except RequestError as exc:
             request.deliver(APIError(400, str(exc), "invalid_prompt"))
             return
@@ -237,12 +214,21 @@ class AsyncEngine:
             return
         self._streams[request.request_id] = request
 
-    def _tokenize(self, request: GenerateRequest) -> list[int]:
-        if request.chat:
-            return self.engine.tokenizer.apply_chat_template(request.prompt)
-        if isinstance(request.prompt, str):
-            return self.engine.tokenizer.encode(request.prompt)
-        return list(request.prompt)
+    def _describe_prompt(self, request: GenerateRequest) -> None:
+        """``echo`` / ``prompt_logprobs``: the prompt's text and tokens, and its
+        teacher-forced log-probabilities (slimkv.server.scoring), before the request runs."""
+        ids, k = request.prompt_ids, request.prompt_logprobs
+        self.engine.check_request(ids, request.params)
+        try:
+            scores = None if k is None else score_prompt(self.engine, ids, k)
+        except RequestError as exc:  # no free KV blocks for the scoring pass right now
+            raise ServerBusy(f"server busy: {exc}; retry later") from exc
+        text = request.prompt if isinstance(request.prompt, str) and not request.chat else None
+        request.prompt_info = describe_prompt(self.engine.tokenizer, ids, text, scores)
+
+    async def tokenizer_call(self, fn: Callable[[Tokenizer], T]) -> T:
+        """``fn(tokenizer)`` on the engine thread (``/tokenize``, ``/detokenize``)."""
+        return await self.call(lambda engine: fn(engine.tokenizer))
 
     def _abort(self, request_id: str) -> bool:
         if self._streams.pop(request_id, None) is None:

@@ -5,14 +5,16 @@ authentication are the same for both."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from slimkv.engine.outputs import RequestOutput
+from slimkv.model.protocol import Tokenizer
 
 if TYPE_CHECKING:
     from slimkv.server.async_engine import GenerateRequest
 
+T = TypeVar("T")
 REPLICA_HEADER = "X-Slimkv-Replica"  # names the cluster replica that served a response
 
 
@@ -26,7 +28,11 @@ class Backend(Protocol):
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """The request's outputs until it finishes; raises ``APIError`` on failure; closing
-        the iterator early aborts the request (its KV blocks are freed)."""
+        the iterator early aborts the request (its KV blocks are freed). When the request
+        ``wants_prompt``, ``request.prompt_info`` is set before its first output."""
+
+    async def tokenizer_call(self, fn: Callable[[Tokenizer], T]) -> T:
+        """``fn`` applied to the served model's tokenizer, where the backend keeps it."""
 
     async def cache_state(self, blocks: bool = True) -> dict[str, Any]:
         """The ``/v1/cache/state`` snapshot."""

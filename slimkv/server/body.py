@@ -5,13 +5,14 @@ close the client's keep-alive connection).
 Checked in order: size (413, ``server.max_body_bytes``), UTF-8 (400), JSON syntax (400),
 nesting deeper than :data:`MAX_DEPTH` (400), integers longer than :data:`MAX_INT_DIGITS`
 digits and non-finite numbers (400), a top level that is not an object (400), then the
-pydantic model (422 naming the field).
+pydantic model (422 naming the field); a route may check fields before the model.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from typing import TypeVar
 
 from fastapi import Request
@@ -24,8 +25,22 @@ MAX_INT_DIGITS = 40   # token ids, seeds, max_tokens: a 128-bit number has 39 di
 Body = TypeVar("Body", bound=BaseModel)
 
 
-async def read_body(request: Request, model: type[Body], max_bytes: int) -> Body:
-    data = parse_json(await _read_bytes(request, max_bytes))
+async def read_body(request: Request, model: type[Body], max_bytes: int,
+                    precheck: Callable[[dict], None] | None = None) -> Body:
+    """``precheck``: run on the parsed object before the model (it raises the 400s of
+    fields the model does not define: slimkv.server.unsupported)."""
+    data = await read_json(request, max_bytes)
+    if precheck is not None:
+        precheck(data)
+    return validate(model, data)
+
+
+async def read_json(request: Request, max_bytes: int) -> dict:
+    """The body as a JSON object, every check but the model's done."""
+    return parse_json(await _read_bytes(request, max_bytes))
+
+
+def validate(model: type[Body], data: dict) -> Body:
     try:
         return model.model_validate(data)
     except ValidationError as exc:

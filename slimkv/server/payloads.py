@@ -1,6 +1,7 @@
 """The JSON objects of OpenAI's responses, built from engine outputs: envelopes, choices,
 usage and log-probabilities (chat's ``{"content": [...]}`` and the legacy completions
-``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``)."""
+``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``, where an echoed prompt's
+first token has ``null``s) and vLLM's ``prompt_logprobs``."""
 
 from __future__ import annotations
 
@@ -8,18 +9,21 @@ import time
 from typing import Any
 
 from slimkv.engine.outputs import RequestOutput, TokenLogprob
+from slimkv.server.scoring import PromptInfo
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -Infinity
 
 
-def usage(finals: list[RequestOutput]) -> dict[str, Any]:
-    """OpenAI's usage block over a request's choices (the prompt counted once);
-    ``cached_tokens`` are prompt tokens served by the prefix cache."""
-    first = finals[0]
-    completion = sum(out.num_output_tokens for out in finals)
-    return {"prompt_tokens": first.num_prompt_tokens, "completion_tokens": completion,
-            "total_tokens": first.num_prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens}}
+def usage(finals: list[RequestOutput], n: int = 1, echo_only: bool = False) -> dict[str, Any]:
+    """OpenAI's usage block over a request's choices, ``n`` per prompt in index order (each
+    prompt counted once); ``cached_tokens`` are prompt tokens served by the prefix cache.
+    ``echo_only``: the token generated past the prompt was not returned, nor is counted."""
+    firsts = finals[::n]
+    prompt = sum(out.num_prompt_tokens for out in firsts)
+    completion = 0 if echo_only else sum(out.num_output_tokens for out in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion, "prompt_tokens_details": {
+                "cached_tokens": sum(out.num_cached_tokens for out in firsts)}}
 
 
 def response_envelope(request_id: str, obj: str, model: str, choices: list[dict[str, Any]],
@@ -62,13 +66,44 @@ def _chat_top(token: str, logprob: float) -> dict[str, Any]:
 
 
 def _completion_logprobs(logprobs: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """A ``logprob`` of None (an echoed prompt's first token) gives ``null`` entries."""
     offsets = []
     for t in logprobs:
         offsets.append(offset)
         offset += len(t.token)
     return {"tokens": [t.token for t in logprobs],
-            "token_logprobs": [max(t.logprob, LOGPROB_FLOOR) for t in logprobs],
-            "top_logprobs": [{t.token: max(t.logprob, LOGPROB_FLOOR),
+            "token_logprobs": [None if t.logprob is None else max(t.logprob, LOGPROB_FLOOR)
+                               for t in logprobs],
+            "top_logprobs": [None if t.logprob is None else
+                             {t.token: max(t.logprob, LOGPROB_FLOOR),
                               **{s: max(lp, LOGPROB_FLOOR) for s, lp in t.top}}
                              for t in logprobs],
             "text_offset": offsets}
+
+
+def echo_logprobs(prompt: PromptInfo, k: int) -> list[TokenLogprob]:
+    """The prompt's tokens as completion logprob entries with ``k`` alternatives each."""
+    texts = prompt.texts
+    return [TokenLogprob(texts[token], None, []) if s is None else
+            TokenLogprob(texts[token], s.logprob, [(texts[t], lp) for t, lp in s.top[:k]])
+            for token, s in zip(prompt.token_ids, prompt.scores)]
+
+
+def prompt_logprobs(prompt: PromptInfo, k: int) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, None for the first, else a map from
+    token id to ``{logprob, rank, decoded_token}``: the prompt's token, then the ``k``
+    most likely (rank: 1 is the most likely)."""
+    entries: list[dict[str, Any] | None] = []
+    for token, s in zip(prompt.token_ids, prompt.scores):
+        if s is None:
+            entries.append(None)
+            continue
+        entry = {str(token): _vllm_logprob(s.logprob, s.rank, prompt.texts[token])}
+        for rank, (t, lp) in enumerate(s.top[:k], 1):
+            entry.setdefault(str(t), _vllm_logprob(lp, rank, prompt.texts[t]))
+        entries.append(entry)
+    return entries
+
+
+def _vllm_logprob(logprob: float, rank: int, text: str) -> dict[str, Any]:
+    return {"logprob": max(logprob, LOGPROB_FLOOR), "rank": rank, "decoded_token": text}

@@ -6,11 +6,16 @@ The first output is awaited before any byte is sent, so a request the engine rej
 While no byte has been sent (queued, prefilling, or a whole non-streaming answer), the
 client's connection is watched: if it goes away the request is aborted at once, so an
 abandoned request neither keeps its place in the queue nor holds KV blocks.
+
+A list of prompts is one engine request per prompt; their outputs are merged as they come,
+choice ``i`` of prompt ``p`` becoming choice ``p * n + i``. ``echo`` puts the prompt (and its
+logprobs) before each choice's text: in the choice's first chunk when streaming.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -22,8 +27,11 @@ from starlette.types import Send
 
 from slimkv.engine.outputs import RequestOutput, TokenLogprob
 from slimkv.server.errors import APIError
-from slimkv.server.payloads import chat_choice, completion_choice, response_envelope, usage
+from slimkv.server.generate_request import GenerateRequest
+from slimkv.server.payloads import (chat_choice, completion_choice, echo_logprobs,
+                                    prompt_logprobs, response_envelope, usage)
 from slimkv.server.protocol import SamplingRequest
+from slimkv.server.scoring import PromptInfo
 
 
 @dataclass(slots=True)
@@ -32,8 +40,16 @@ class ResponseFormat:
 
     request_id: str
     model: str
+    n: int = 1                                   # choices per prompt
+    requests: list[GenerateRequest] = field(default_factory=list)  # one per prompt
+    prompt_logprobs: int | None = None           # vLLM's prompt_logprobs, when asked
+    echo_only: bool = False                      # echo with max_tokens 0: the prompt only
     object_name = ""
     chunk_object_name = ""
+
+    def prompt(self, index: int) -> PromptInfo | None:
+        """The prompt of choice ``index`` as the backend described it (echo, logprobs)."""
+        return self.requests[index // self.n].prompt_info if self.requests else None
 
     def choice(self, index: int, text: str, finish_reason: str | None,
                logprobs: list[TokenLogprob] | None, delta: bool, first: bool) -> dict[str, Any]:
@@ -45,14 +61,14 @@ class ResponseFormat:
 
     def usage_chunk(self, finals: list[RequestOutput]) -> dict[str, Any]:
         return response_envelope(self.request_id, self.chunk_object_name, self.model, [],
-                                 usage(finals))
+                                 usage(finals, self.n, self.echo_only))
 
     def complete(self, finals: list[RequestOutput],
                  logprobs: dict[int, list[TokenLogprob]]) -> dict[str, Any]:
         choices = [self.choice(out.index, out.text, out.finish_reason, logprobs.get(out.index),
                                False, False) for out in finals]
         return response_envelope(self.request_id, self.object_name, self.model, choices,
-                                 usage(finals))
+                                 usage(finals, self.n, self.echo_only))
 
 
 class ChatFormat(ResponseFormat):
@@ -63,19 +79,38 @@ class ChatFormat(ResponseFormat):
                logprobs: list[TokenLogprob] | None, delta: bool, first: bool) -> dict[str, Any]:
         return chat_choice(index, text, finish_reason, logprobs, delta=delta, first=first)
 
+    def complete(self, finals: list[RequestOutput],
+                 logprobs: dict[int, list[TokenLogprob]]) -> dict[str, Any]:
+        body = ResponseFormat.complete(self, finals, logprobs)
+        if self.prompt_logprobs is not None:  # vLLM puts chat's beside the choices
+            body["prompt_logprobs"] = prompt_logprobs(self.prompt(0), self.prompt_logprobs)
+        return body
+
 
 @dataclass(slots=True)
 class CompletionFormat(ResponseFormat):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
     offsets: dict[int, int] = field(default_factory=dict)  # streamed text so far, per choice
+    echo: bool = False
+    echo_k: int = 0                              # alternatives per echoed token (logprobs)
 
     def choice(self, index: int, text: str, finish_reason: str | None,
                logprobs: list[TokenLogprob] | None, delta: bool, first: bool) -> dict[str, Any]:
+        if self.echo_only:  # the one token generated past the prompt is not shown
+            text, logprobs = "", None if logprobs is None else []
+        prompt = self.prompt(index) if self.echo and (first or not delta) else None
+        if prompt is not None:
+            text = prompt.text + text
+            if logprobs is not None:
+                logprobs = echo_logprobs(prompt, self.echo_k) + logprobs
         offset = self.offsets.get(index, 0) if delta else 0
         if delta and logprobs:
             self.offsets[index] = offset + sum(len(t.token) for t in logprobs)
-        return completion_choice(index, text, finish_reason, logprobs, offset)
+        choice = completion_choice(index, text, finish_reason, logprobs, offset)
+        if self.prompt_logprobs is not None and not delta:
+            choice["prompt_logprobs"] = prompt_logprobs(self.prompt(index), self.prompt_logprobs)
+        return choice
 
 
 class EventStream(StreamingResponse):
@@ -102,10 +137,37 @@ class ClientGone(Exception):
     """The client disconnected before the response started."""
 
 
+async def merge_outputs(streams: list[AsyncIterator[RequestOutput]],
+                        n: int) -> AsyncIterator[RequestOutput]:
+    """The outputs of one request per prompt as they come, choice ``i`` of prompt ``p``
+    renumbered ``p * n + i``. A failure of one ends all; closing this closes (aborts) all."""
+    pending = {asyncio.ensure_future(anext(s)): p for p, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=pending.get):
+                p = pending.pop(future)
+                try:
+                    out = future.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[p]))] = p
+                yield dataclasses.replace(out, index=p * n + out.index) if p else out
+    finally:
+        for future in pending:
+            future.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+
+
 async def respond(outputs: AsyncIterator[RequestOutput], body: SamplingRequest,
-                  fmt: ResponseFormat, http: Request) -> Response:
-    """The response to a request with ``body.n`` choices: each choice's outputs come in
-    order, interleaved with the others'; the request ends when every choice has."""
+                  fmt: ResponseFormat, http: Request, num_choices: int | None = None
+                  ) -> Response:
+    """The response to a request with ``num_choices`` choices (default ``body.n``): each
+    choice's outputs come in order, interleaved with the others'; the request ends when
+    every choice has."""
+    num_choices = num_choices or body.n
     try:
         first = await _next_while_connected(outputs, http)
         if body.stream:
@@ -117,7 +179,7 @@ async def respond(outputs: AsyncIterator[RequestOutput], body: SamplingRequest,
             finals[out.index] = out
             if out.logprobs is not None:
                 logprobs.setdefault(out.index, []).extend(out.logprobs)
-            if len(finals) == body.n and all(o.finished for o in finals.values()):
+            if len(finals) == num_choices and all(o.finished for o in finals.values()):
                 break
             out = await _next_while_connected(outputs, http)
     except ClientGone:

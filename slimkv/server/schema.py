@@ -72,13 +72,28 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # only when the request asked
 
 
 class CompletionLogprobs(BaseModel):
+    """With ``echo``, the prompt's tokens come first; its first token's entries are null."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's: one token's log-probability, rank in the vocabulary (1: most likely), text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# Per prompt token (null for the first): token id (a string key) -> its PromptLogprob.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -86,6 +101,7 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: str | None
     logprobs: CompletionLogprobs | None
+    prompt_logprobs: PromptLogprobs | None = None  # only when the request asked
 
 
 class Completion(BaseModel):
@@ -109,9 +125,15 @@ def generation_route(request_model: type[BaseModel], response_model: type[BaseMo
     ok = {"model": response_model, "description": "the completion, or server-sent events "
           "(`data: {chunk}` lines, then `data: [DONE]`) when `stream` is true",
           "content": {"text/event-stream": {"schema": {"type": "string"}}}}
-    body = {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{request_model.__name__}"}}}}
-    return {"responses": {200: ok, **_ERRORS}, "openapi_extra": {"requestBody": body}}
+    return {"responses": {200: ok, **_ERRORS}, **request_body(request_model.__name__)}
+
+
+def request_body(*names: str) -> dict[str, Any]:
+    """``openapi_extra`` naming a route's body: one of these component schemas."""
+    refs = [{"$ref": f"#/components/schemas/{name}"} for name in names]
+    schema = refs[0] if len(refs) == 1 else {"oneOf": refs}
+    return {"openapi_extra": {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": schema}}}}}
 
 
 def install_schema(app: FastAPI, request_models: list[type[BaseModel]]) -> None:
