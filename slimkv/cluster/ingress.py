@@ -49,6 +49,7 @@ class ClusterBackend:
                  app_name: str) -> None:
         self.engines = engines
         self.tokenizer = load_tokenizer(config.model.path)
+        self.tool_format = self.tokenizer.tool_format
         self.model_name: str = info["model_name"]
         self.max_model_len: int = info["max_model_len"]
         self.block_size: int = info["block_size"]
@@ -90,7 +91,7 @@ class ClusterBackend:
     def _prepare(self, request: GenerateRequest) -> tuple[WireRequest, RouteKeys]:
         try:
             if request.chat:
-                ids = self.tokenizer.apply_chat_template(request.prompt)
+                ids = self.tokenizer.apply_chat_template(request.prompt, request.tools)
             elif isinstance(request.prompt, str):
                 ids = self.tokenizer.encode(request.prompt)
             else:

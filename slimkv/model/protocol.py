@@ -33,8 +33,10 @@ class Tokenizer(Protocol):
     def token_texts(self, ids: Sequence[int]) -> list[str]:
         """Each token's own text (special tokens included), for log-probabilities."""
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """The prompt ids of a chat (``ValueError`` when the model has no template)."""
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None
+                            ) -> list[int]:
+        """The prompt ids of a chat, with OpenAI ``tools`` (``ValueError`` when the model
+        has no template)."""
 
 
 class ModelLoader(Protocol):

@@ -6,8 +6,12 @@ import json
 import os
 import re
 from collections.abc import Iterable, Sequence
+from functools import cached_property
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from slimkv.model_io.chat_tools import tool_template_inputs
+from slimkv.options.tool_formats import ToolCallFormat, tokenizer_format
 
 # End-of-turn / end-of-document markers that stop generation when a model's vocab has them.
 _STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
@@ -38,6 +42,11 @@ class Tokenizer:
         hf = AutoTokenizer.from_pretrained(path)
         return cls(hf, os.path.basename(os.path.normpath(path)), _declared_eos(path))
 
+    @cached_property
+    def tool_format(self) -> ToolCallFormat:
+        """How this model writes tool calls (from its template and vocabulary)."""
+        return tokenizer_format(self.hf)
+
     def encode(self, text: str) -> list[int]:
         # add_special_tokens lets the tokenizer's own post-processor decide about BOS.
         return self.hf.encode(text, add_special_tokens=True)
@@ -49,12 +58,15 @@ class Tokenizer:
         """Each token's own text (special tokens included), for log-probabilities."""
         return self.hf.batch_decode([[i] for i in ids])
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None
+                            ) -> list[int]:
+        """``tools``: OpenAI tool definitions (rendered as :mod:`.chat_tools` says)."""
         if not self.hf.chat_template:
             raise ValueError(f"model {self.name!r} has no chat template; "
                              "send a plain prompt instead")
-        ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                          return_dict=False)
+        messages, tools = tool_template_inputs(self.hf, messages, tools)
+        ids = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)
         return list(ids)
 
 

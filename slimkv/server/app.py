@@ -16,6 +16,8 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 
 from slimkv.config import Config
+from slimkv.engine.sampling_params import SamplingParams
+from slimkv.options.tool_formats import GENERIC
 from slimkv.plugins import build_engine
 from slimkv.server.async_engine import AsyncEngine, GenerateRequest
 from slimkv.server.backend import REPLICA_HEADER, Backend
@@ -28,6 +30,8 @@ from slimkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from slimkv.server.protocol import (ChatCompletionRequest, CompletionRequest, SamplingRequest,
                                     model_card)
 from slimkv.server.responses import ChatFormat, CompletionFormat, ResponseFormat, respond
+from slimkv.server.tool_responses import ToolChatFormat
+from slimkv.server.tools import NO_TOOLS, ToolPlan, tool_plan
 from slimkv.server.schema import Completion, ChatCompletion, generation_route, install_schema
 
 DEFAULT_MAX_TOKENS = 512  # when a request sets none: this, or the room left in the context
@@ -50,6 +54,7 @@ def create_app(engine: Backend, server: ServerConfig) -> FastAPI:
     and stops it on shutdown."""
     model_name = engine.model_name
     max_model_len = engine.max_model_len
+    tool_format = getattr(engine, "tool_format", GENERIC)  # test doubles may have none
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -64,15 +69,22 @@ def create_app(engine: Backend, server: ServerConfig) -> FastAPI:
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(server.api_key))])
 
     async def generate(body: SamplingRequest, prompt: Any, fmt: ResponseFormat,
-                       http: Request) -> Response:
+                       http: Request, tools: ToolPlan = NO_TOOLS) -> Response:
         if body.model != model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                            f"{model_name!r}", "model_not_found", "model")
         body.check(server.max_n)
+
+        def make_params(num_prompt_tokens: int) -> SamplingParams:
+            params = body.sampling_params(
+                max(1, min(DEFAULT_MAX_TOKENS, max_model_len - num_prompt_tokens)))
+            params.grammar = tools.grammar
+            return params
+
         request = GenerateRequest(
-            fmt.request_id, prompt, isinstance(body, ChatCompletionRequest),
-            lambda n: body.sampling_params(max(1, min(DEFAULT_MAX_TOKENS, max_model_len - n))),
-            session_id=body.session_id or http.headers.get("x-session-id") or None)
+            fmt.request_id, prompt, isinstance(body, ChatCompletionRequest), make_params,
+            session_id=body.session_id or http.headers.get("x-session-id") or None,
+            tools=tools.template_tools)
         response = await respond(engine.generate(request), body, fmt, http)
         if request.replica is not None:
             response.headers[REPLICA_HEADER] = request.replica
@@ -82,7 +94,11 @@ def create_app(engine: Backend, server: ServerConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request, ChatCompletionRequest, server.max_body_bytes)
         messages = [m.as_template_message() for m in body.messages]
-        return await generate(body, messages, ChatFormat(_new_id("chatcmpl"), model_name), request)
+        tools = tool_plan(body, tool_format, body.response_format is not None
+                          and body.response_format.type != "text")
+        fmt = (ToolChatFormat(_new_id("chatcmpl"), model_name, tool_format) if tools.grammar
+               else ChatFormat(_new_id("chatcmpl"), model_name))
+        return await generate(body, messages, fmt, request, tools)
 
     @v1.post("/completions", **generation_route(CompletionRequest, Completion))
     async def completions(request: Request) -> Response:

@@ -27,6 +27,7 @@ from slimkv.engine.llm_engine import LLMEngine, RequestError
 from slimkv.engine.engine_stats import EngineStats
 from slimkv.engine.outputs import RequestOutput
 from slimkv.engine.sampling import SamplingParams
+from slimkv.options.tool_formats import GENERIC, ToolCallFormat
 from slimkv.server.cache_state import CacheHistory
 from slimkv.server.canary import Canary
 from slimkv.server.errors import APIError, ServerBusy
@@ -51,6 +52,7 @@ class GenerateRequest:
     chat: bool
     make_params: Callable[[int], SamplingParams]
     session_id: str | None = None
+    tools: list[dict] | None = None            # OpenAI tool definitions for the template
     replica: str | None = None                 # the cluster replica serving it (a header)
     prompt_ids: list[int] | None = None        # set on the engine thread when admitted
     params: SamplingParams | None = None
@@ -100,6 +102,10 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def tool_format(self) -> ToolCallFormat:
+        return getattr(self.engine.tokenizer, "tool_format", GENERIC)
 
     # -- the HTTP side -------------------------------------------------------------------
 
@@ -239,7 +245,7 @@ class AsyncEngine:
 
     def _tokenize(self, request: GenerateRequest) -> list[int]:
         if request.chat:
-            return self.engine.tokenizer.apply_chat_template(request.prompt)
+            return self.engine.tokenizer.apply_chat_template(request.prompt, request.tools)
         if isinstance(request.prompt, str):
             return self.engine.tokenizer.encode(request.prompt)
         return list(request.prompt)

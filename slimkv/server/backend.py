@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from slimkv.engine.outputs import RequestOutput
+from slimkv.options.tool_formats import ToolCallFormat
 
 if TYPE_CHECKING:
     from slimkv.server.async_engine import GenerateRequest
@@ -19,6 +20,7 @@ REPLICA_HEADER = "X-Slimkv-Replica"  # names the cluster replica that served a r
 class Backend(Protocol):
     model_name: str
     max_model_len: int
+    tool_format: ToolCallFormat   # how the model writes tool calls (the reply parser's)
 
     def start(self) -> None: ...
 

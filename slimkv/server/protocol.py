@@ -5,18 +5,20 @@ Options beyond the basics: ``presence_penalty``, ``frequency_penalty``, ``logit_
 ``n``, ``logprobs`` (+ chat ``top_logprobs``), ``response_format``; and vLLM's
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``. Log-probability counts out of range
 and invalid JSON schemas are 400s (checked by :meth:`SamplingRequest.check`, as vLLM and
-OpenAI answer them); other field errors are 422s naming the field.
+OpenAI answer them); other field errors are 422s naming the field. Tool calling's fields
+and their 400s: :mod:`slimkv.server.tools`.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from slimkv.options.structured import JSON_OBJECT_SCHEMA, canonical_schema, schema_error
 from slimkv.engine.sampling import SamplingParams
 from slimkv.server.errors import APIError
+from slimkv.server.tools import AssistantToolCall, ToolFields
 
 MAX_STOP_STRINGS = 4
 MAX_LOGIT_BIAS = 1024
@@ -143,17 +145,29 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None: an assistant turn with tool_calls
+    name: str | None = None
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    tool_calls: list[AssistantToolCall] | None = None
 
-    def as_template_message(self) -> dict[str, str]:
+    @model_validator(mode="after")
+    def _check_content(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content: a {self.role} message needs content (only an "
+                             "assistant turn, with tool_calls, may have none)")
+        return self
+
+    def as_template_message(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content}
+        message = {"role": self.role, "content": content}
+        return {**message, **self.model_dump(include={"name", "tool_call_id", "tool_calls"},
+                                             exclude_none=True)}
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(ToolFields, SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
