@@ -6,7 +6,8 @@ and each call to one tool's name and parameter schema.
 lexeme (llguidance ends it at the first place it matches), so the first time the trigger
 appears in the text the calls begin; a special-token trigger is a token free text cannot
 contain. ``required`` and a named function force the calls section from the first token
-(the named one allows only that tool). ``parallel_tool_calls: false`` allows one call.
+(the server gives a named choice only that tool and one call, as vLLM does).
+``parallel_tool_calls: false`` allows one call.
 After the section only end-of-sequence is allowed: the turn ends with its calls.
 """
 

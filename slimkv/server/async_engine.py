@@ -93,6 +93,7 @@ class AsyncEngine:
         self.step_hooks.append(self.history)
         # The engine's stats after the thread's last step (frozen; any thread may read it).
         self.latest_stats: EngineStats = engine.stats()
+        self.tool_format: ToolCallFormat = getattr(engine.tokenizer, "tool_format", GENERIC)
         metrics.describe_engine(self.latest_stats)
 
     @property
@@ -102,10 +103,6 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
-
-    @property
-    def tool_format(self) -> ToolCallFormat:
-        return getattr(self.engine.tokenizer, "tool_format", GENERIC)
 
     # -- the HTTP side -------------------------------------------------------------------
 

@@ -31,8 +31,10 @@ class ToolChatFormat(ChatFormat):
         if parsed.content:
             deltas[0]["content"] = parsed.content
         deltas += [{"tool_calls": [_call_delta(c)]} for c in parsed.calls]
-        if not deltas[0] and len(deltas) > 1:
-            deltas.pop(0)
+        if not deltas[0] and (len(deltas) > 1 or (reason is None and out.logprobs is None)):
+            deltas.pop(0)  # nothing to say (text held back as a possible trigger)
+        if not deltas:
+            return []
         choices = [chat_choice(out.index, None, None, out.logprobs if i == 0 else None,
                                delta=True) for i in range(len(deltas))]
         for choice, delta in zip(choices, deltas):

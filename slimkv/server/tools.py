@@ -106,8 +106,9 @@ def tool_plan(body: ToolFields, fmt: ToolCallFormat, has_response_format: bool) 
     if has_response_format:
         raise _bad("response_format", "response_format cannot be combined with tools "
                    "(unless tool_choice is none): a reply follows one grammar")
-    forced = choice == "required" or isinstance(choice, NamedToolChoice)
-    return ToolPlan(tool_grammar(fmt, specs, forced, body.parallel_tool_calls), shown)
+    named = isinstance(choice, NamedToolChoice)  # one call of that function, as vLLM does
+    parallel = body.parallel_tool_calls and not named
+    return ToolPlan(tool_grammar(fmt, specs, named or choice == "required", parallel), shown)
 
 
 def _parameters(index: int, tool: Tool) -> str:
