@@ -20,21 +20,20 @@ Message = dict[str, Any]
 _PROBE_MESSAGES = [{"role": "user", "content": "x"}]
 _PROBE_TOOLS = [{"type": "function", "function": {
     "name": "probe_tool_name", "description": "d", "parameters": {"type": "object"}}}]
-_KNOWS_TOOLS_ATTR = "_slimkv_knows_tools"
+_KNOWS_TOOLS: dict[str, bool] = {}  # chat template text -> whether it renders tools
 
 
 def template_knows_tools(hf) -> bool:
-    """Whether ``hf``'s chat template renders a tool list (cached on the tokenizer)."""
-    known = getattr(hf, _KNOWS_TOOLS_ATTR, None)
-    if known is None:
+    """Whether ``hf``'s chat template renders a tool list (cached per template text)."""
+    template = hf.chat_template
+    if template not in _KNOWS_TOOLS:
         try:
             with_tools = hf.apply_chat_template(_PROBE_MESSAGES, tools=_PROBE_TOOLS,
                                                 tokenize=False)
-            known = "probe_tool_name" in with_tools
+            _KNOWS_TOOLS[template] = "probe_tool_name" in with_tools
         except Exception:  # a template that fails on tools does not know them
-            known = False
-        setattr(hf, _KNOWS_TOOLS_ATTR, known)
-    return known
+            _KNOWS_TOOLS[template] = False
+    return _KNOWS_TOOLS[template]
 
 
 def tool_template_inputs(hf, messages: list[Message], tools: list[dict] | None
