@@ -163,3 +163,14 @@ def test_bad_tool_requests_are_400(server, fields, param):
     assert param in error["message"]
     with pytest.raises(openai.BadRequestError):  # and the SDK sees a 400
         server.openai().chat.completions.create(**body)
+
+
+def test_openapi_describes_the_tool_fields(server):
+    with server.http() as http:
+        schemas = http.get("/openapi.json").json()["components"]["schemas"]
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    assert {"tools", "tool_choice", "parallel_tool_calls"} <= set(chat)
+    message = schemas["ChatMessage"]["properties"]
+    assert {"tool_calls", "tool_call_id", "name"} <= set(message)
+    assert {"tool", "developer"} <= set(message["role"]["enum"])
+    assert "tool_calls" in schemas["AssistantMessage"]["properties"]
