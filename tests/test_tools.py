@@ -11,7 +11,8 @@ import llguidance
 import llguidance.hf
 import pytest
 
-from slimkv.model_io.chat_tools import template_knows_tools, tool_template_inputs
+from slimkv.model_io.chat_tools import (serving_format, template_knows_tools,
+                                        tool_template_inputs)
 from slimkv.model_io.loader import load_tokenizer
 from slimkv.options.tool_calls import ToolSpec, tool_grammar
 from slimkv.options.tool_formats import (GENERIC, HERMES, LLAMA3, MISTRAL, detect_format)
@@ -134,7 +135,8 @@ def test_generic_rendering(tokenizer):
     """A template without tools: one system message (the developer's, then the tools and
     the envelope), the call as envelope text, the result as a tool_response user turn."""
     assert not template_knows_tools(tokenizer.hf)
-    messages, tools = tool_template_inputs(tokenizer.hf, HISTORY, TOOLS)
+    assert serving_format(tokenizer.hf, HERMES) == GENERIC  # the template cannot show tools
+    messages, tools = tool_template_inputs(tokenizer.hf, HISTORY, TOOLS, GENERIC)
     assert tools is None and [m["role"] for m in messages] == [
         "system", "user", "assistant", "user"]
     assert messages[0]["content"].startswith("Be brief.\n\n") and '"get_weather"' in \
@@ -153,8 +155,8 @@ def test_native_rendering(tokenizer):
         "{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}{% for m in messages %}"
         "<{{ m.role }}>{{ m.content }}{% for c in m.tool_calls or [] %}"
         "<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}\n{% endfor %}")
-    assert template_knows_tools(hf)
-    messages, tools = tool_template_inputs(hf, HISTORY, TOOLS)
+    assert template_knows_tools(hf) and serving_format(hf, HERMES) == HERMES
+    messages, tools = tool_template_inputs(hf, HISTORY, TOOLS, HERMES)
     assert tools == TOOLS and messages[0]["role"] == "system"
     text = hf.apply_chat_template(messages, tools=tools, tokenize=False)
     assert '"arguments": {"city": "Paris"}' in text and "<tool>sunny" in text

@@ -36,17 +36,25 @@ def template_knows_tools(hf) -> bool:
     return _KNOWS_TOOLS[template]
 
 
-def tool_template_inputs(hf, messages: list[Message], tools: list[dict] | None
-                         ) -> tuple[list[Message], list[dict] | None]:
-    """The messages and ``tools=`` argument to render for this template."""
+def tool_template_inputs(hf, messages: list[Message], tools: list[dict] | None,
+                         fmt: ToolCallFormat) -> tuple[list[Message], list[dict] | None]:
+    """The messages and ``tools=`` argument to render for this template, whose replies
+    are read in ``fmt`` (:func:`serving_format`)."""
     has_tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     if not tools and not has_tool_turns:
         return [_plain(m) for m in messages], None
-    if template_knows_tools(hf):
+    if fmt.native:
         return [_native(m) for m in messages], tools or None
     names = {c["id"]: c["function"]["name"] for m in messages for c in m.get("tool_calls") or ()}
     rendered = [_generic(m, GENERIC, names) for m in messages]
     return (_with_system(rendered, generic_system_prompt(tools)) if tools else rendered), None
+
+
+def serving_format(hf, detected: ToolCallFormat) -> ToolCallFormat:
+    """The format a model is asked for and held to: its own when its template renders
+    tools (and so tells the model how to call them), else the generic envelope, which the
+    system message then describes: prompt and grammar always agree."""
+    return detected if detected.native and template_knows_tools(hf) else GENERIC
 
 
 def generic_system_prompt(tools: list[dict]) -> str:

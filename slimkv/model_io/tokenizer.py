@@ -10,7 +10,7 @@ from functools import cached_property
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from slimkv.model_io.chat_tools import tool_template_inputs
+from slimkv.model_io.chat_tools import serving_format, tool_template_inputs
 from slimkv.options.tool_formats import ToolCallFormat, tokenizer_format
 
 # End-of-turn / end-of-document markers that stop generation when a model's vocab has them.
@@ -45,7 +45,7 @@ class Tokenizer:
     @cached_property
     def tool_format(self) -> ToolCallFormat:
         """How this model writes tool calls (from its template and vocabulary)."""
-        return tokenizer_format(self.hf)
+        return serving_format(self.hf, tokenizer_format(self.hf))
 
     def encode(self, text: str) -> list[int]:
         # add_special_tokens lets the tokenizer's own post-processor decide about BOS.
@@ -64,7 +64,7 @@ class Tokenizer:
         if not self.hf.chat_template:
             raise ValueError(f"model {self.name!r} has no chat template; "
                              "send a plain prompt instead")
-        messages, tools = tool_template_inputs(self.hf, messages, tools)
+        messages, tools = tool_template_inputs(self.hf, messages, tools, self.tool_format)
         ids = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
                                           tokenize=True, return_dict=False)
         return list(ids)

@@ -4,9 +4,9 @@ the section is the JSON object ``{"name": ..., "<arguments key>": {...}}``.
 
 A format is picked from the chat template's text and the vocabulary
 (:func:`detect_format`): a model is asked to call tools the way it was trained to. Models
-whose template says nothing we recognise get :data:`GENERIC`, a JSON envelope that the
-prompt describes to them (:mod:`slimkv.model_io.chat_tools`), as llama.cpp's generic
-format does. The grammar (:mod:`slimkv.options.tool_calls`) guarantees the form; the
+whose template says nothing we recognise, or does not render tools, get :data:`GENERIC`,
+a JSON envelope that the prompt describes to them (:mod:`slimkv.model_io.chat_tools`), as
+llama.cpp's generic format does. The grammar (:mod:`slimkv.options.tool_calls`) guarantees the form; the
 parser on the HTTP side (:mod:`slimkv.server.tool_stream`) reads it back.
 """
 
