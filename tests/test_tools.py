@@ -160,3 +160,13 @@ def test_native_rendering(tokenizer):
     assert tools == TOOLS and messages[0]["role"] == "system"
     text = hf.apply_chat_template(messages, tools=tools, tokenize=False)
     assert '"arguments": {"city": "Paris"}' in text and "<tool>sunny" in text
+
+
+def test_parallel_results_are_one_user_turn(tokenizer):
+    history = [*HISTORY[1:3], HISTORY[3], {"role": "tool", "tool_call_id": "call_1",
+                                           "content": "windy"}]
+    messages, _ = tool_template_inputs(tokenizer.hf, history, TOOLS, GENERIC)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    results = [json.loads(line)["tool_response"]["content"]
+               for line in messages[-1]["content"].splitlines()]
+    assert results == ["sunny", "windy"]

@@ -46,7 +46,8 @@ def tool_template_inputs(hf, messages: list[Message], tools: list[dict] | None,
     if fmt.native:
         return [_native(m) for m in messages], tools or None
     names = {c["id"]: c["function"]["name"] for m in messages for c in m.get("tool_calls") or ()}
-    rendered = [_generic(m, GENERIC, names) for m in messages]
+    rendered = _merge_tool_results([_generic(m, GENERIC, names) for m in messages],
+                                   [m["role"] == "tool" for m in messages])
     return (_with_system(rendered, generic_system_prompt(tools)) if tools else rendered), None
 
 
@@ -93,6 +94,18 @@ def _generic(m: Message, fmt: ToolCallFormat, names: dict[str, str]) -> Message:
                              for c in m["tool_calls"]])
         return {"role": "assistant", "content": m["content"] + calls}
     return {"role": m["role"], "content": m["content"]}
+
+
+def _merge_tool_results(rendered: list[Message], from_tool: list[bool]) -> list[Message]:
+    """The results of parallel calls as one user turn (templates that insist on
+    alternating roles refuse two user turns in a row)."""
+    merged: list[Message] = []
+    for message, tool in zip(rendered, from_tool):
+        if tool and merged and merged[-1].get("_tool"):
+            merged[-1]["content"] += "\n" + message["content"]
+        else:
+            merged.append({**message, "_tool": True} if tool else message)
+    return [{k: v for k, v in m.items() if k != "_tool"} for m in merged]
 
 
 def _with_system(messages: list[Message], text: str) -> list[Message]:
