@@ -103,6 +103,8 @@ def test_sampled_calls_always_validate(server):
             check_calls(choice.message.tool_calls)
         else:  # ran out of tokens inside a call: then only the finished calls are given
             assert choice.finish_reason == "length"
+            if choice.message.tool_calls:
+                check_calls(choice.message.tool_calls)
 
 
 def test_parallel_false_gives_one_call(server):
@@ -174,3 +176,30 @@ def test_openapi_describes_the_tool_fields(server):
     assert {"tool_calls", "tool_call_id", "name"} <= set(message)
     assert {"tool", "developer"} <= set(message["role"]["enum"])
     assert "tool_calls" in schemas["AssistantMessage"]["properties"]
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_stream_reassembled_by_hand_equals_the_reply(server, choice):
+    """The chunks, joined by hand (content pieces; calls by index: the first delta's id and
+    name, then the arguments' pieces), give the unstreamed reply's content and calls."""
+    ask = [{"role": "user", "content": "Add 2 and 3, then tell me the weather in Rome."}]
+    whole = create(server, messages=ask, tool_choice=choice, max_tokens=100).choices[0]
+    chunks = create(server, messages=ask, tool_choice=choice, max_tokens=100, stream=True)
+    content, calls, reasons = "", {}, []
+    for chunk in chunks:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for part in delta.tool_calls or []:
+            if part.id:
+                assert part.index not in calls and part.function.arguments == ""
+                calls[part.index] = [part.function.name, ""]
+            else:
+                calls[part.index][1] += part.function.arguments
+        reasons.append(chunk.choices[0].finish_reason)
+    assert reasons[-1] == whole.finish_reason and not any(reasons[:-1])
+    got = [tuple(calls[i]) for i in sorted(calls)]
+    want = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    if whole.finish_reason == "length" and calls:  # cut inside a call: the unstreamed
+        assert whole.message.content.startswith(content)  # reply shows the raw text
+    else:
+        assert got == want and (content or None) == whole.message.content

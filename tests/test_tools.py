@@ -170,3 +170,10 @@ def test_parallel_results_are_one_user_turn(tokenizer):
     results = [json.loads(line)["tool_response"]["content"]
                for line in messages[-1]["content"].splitlines()]
     assert results == ["sunny", "windy"]
+
+
+def test_parser_marks_unfinished_calls():
+    parser = ToolCallParser(GENERIC)
+    parser.feed([], GENERIC.trigger + CALL + ", " + CALL2[:-4])
+    assert [c.name for c in parser.calls] == ["get_weather", "add"]
+    assert [c.name for c in parser.finished_calls] == ["get_weather"]

@@ -46,6 +46,7 @@ class ToolCall:
     id: str
     name: str
     arguments: str = ""
+    done: bool = False    # its arguments' object closed
 
     def as_dict(self) -> dict:
         return {"id": self.id, "type": "function",
@@ -115,6 +116,7 @@ class ToolCallParser:
             else:
                 piece = self._take_arguments()
                 self.calls[-1].arguments += piece
+                self.calls[-1].done = self._state == "seek"
                 out.append(CallDelta(len(self.calls) - 1, piece))
         return out
 
@@ -140,6 +142,10 @@ class ToolCallParser:
                     return piece
         piece, self._buffer = self._buffer, ""
         return piece
+
+    @property
+    def finished_calls(self) -> list[ToolCall]:
+        return [call for call in self.calls if call.done]
 
 
 def _partial_suffix(text: str, trigger: str) -> int:

@@ -47,16 +47,17 @@ class ToolChatFormat(ChatFormat):
                  logprobs: dict[int, list[TokenLogprob]]) -> dict[str, Any]:
         body = ChatFormat.complete(self, finals, logprobs)
         for choice, out in zip(body["choices"], finals):
-            parser = self.parsers[out.index]
-            if parser.calls:
-                choice["message"]["content"] = parser.content or None
-                choice["message"]["tool_calls"] = [call.as_dict() for call in parser.calls]
+            calls = self.parsers[out.index].finished_calls
+            if calls:  # else (none, or cut short inside the first) the whole text is content
+                choice["message"]["content"] = self.parsers[out.index].content or None
+                choice["message"]["tool_calls"] = [call.as_dict() for call in calls]
             choice["finish_reason"] = self._finish_reason(out)
         return body
 
     def _finish_reason(self, out: RequestOutput) -> str | None:
         parser = self.parsers.get(out.index)
-        if out.finish_reason == "stop" and parser is not None and parser.calls:
+        if out.finish_reason == "stop" and parser is not None and parser.calls \
+                and parser.calls[-1].done:  # not a stop string inside the arguments
             return "tool_calls"
         return out.finish_reason
 
