@@ -177,3 +177,40 @@ def test_parser_marks_unfinished_calls():
     parser.feed([], GENERIC.trigger + CALL + ", " + CALL2[:-4])
     assert [c.name for c in parser.calls] == ["get_weather", "add"]
     assert [c.name for c in parser.finished_calls] == ["get_weather"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", [HERMES, MISTRAL._replace(trigger="<|im_start|>", trigger_id=1),
+                                 GENERIC], ids=["hermes", "special-trigger", "generic"])
+def test_engine_follows_each_format(fmt):
+    """The embedded model held to each format's grammar (forced, parallel): its output
+    parses into calls whose arguments validate, whatever format it was trained on."""
+    import jsonschema
+
+    from conftest import small_config
+    from slimkv.engine.sampling_params import SamplingParams
+
+    llm = _llm(small_config)
+    grammar = tool_grammar(fmt, SPECS, forced=True, parallel=True)
+    results = llm.chat([[{"role": "user", "content": "Weather in Oslo? And add 3."}]] * 2, [
+        SamplingParams(max_tokens=60, temperature=1.0, seed=s, grammar=grammar)
+        for s in range(2)])
+    for result in results:
+        parser = ToolCallParser(fmt)
+        parser.feed(result.token_ids, result.text, final=True)
+        assert parser.content == "" and parser.finished_calls, result.text
+        for call in parser.finished_calls:
+            schema = json.loads(dict(SPECS)[call.name])
+            jsonschema.validate(json.loads(call.arguments), schema)
+        if result.finish_reason == "stop":
+            assert all(c.done for c in parser.calls)
+
+
+_LLM = []
+
+
+def _llm(small_config):
+    if not _LLM:
+        from slimkv.llm import LLM
+        _LLM.append(LLM(small_config()))
+    return _LLM[0]
