@@ -55,7 +55,8 @@ class Grammars:
         self.vocab_size = vocab_size
         self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use (~1 s)
         self._executor: llguidance.LLExecutor | None = None
-        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str | None, str | None], llguidance.LLMatcher] = (
+            OrderedDict())
         self.num_compiled = 0
 
     def matcher(self, schema: str | None = None, lark: str | None = None
