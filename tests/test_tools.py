@@ -214,3 +214,14 @@ def _llm(small_config):
         from slimkv.llm import LLM
         _LLM.append(LLM(small_config()))
     return _LLM[0]
+
+
+def test_a_refused_history_is_a_value_error(tokenizer):
+    """A template's raise_exception (roles, call ids) reaches the client as a 400."""
+    original = tokenizer.hf.chat_template
+    tokenizer.hf.chat_template = "{{ raise_exception('roles must alternate') }}"
+    try:
+        with pytest.raises(ValueError, match="roles must alternate"):
+            tokenizer.apply_chat_template(HISTORY, TOOLS)
+    finally:
+        tokenizer.hf.chat_template = original

@@ -8,6 +8,7 @@ import re
 from collections.abc import Iterable, Sequence
 from functools import cached_property
 
+from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from slimkv.model_io.chat_tools import serving_format, tool_template_inputs
@@ -65,8 +66,11 @@ class Tokenizer:
             raise ValueError(f"model {self.name!r} has no chat template; "
                              "send a plain prompt instead")
         messages, tools = tool_template_inputs(self.hf, messages, tools, self.tool_format)
-        ids = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                          tokenize=True, return_dict=False)
+        try:
+            ids = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                              tokenize=True, return_dict=False)
+        except TemplateError as exc:  # the template refuses this history (roles, call ids)
+            raise ValueError(f"messages: the chat template cannot render them: {exc}") from exc
         return list(ids)
 
 
