@@ -53,6 +53,7 @@ class ClusterBackend:
                  app_name: str) -> None:
         self.engines = engines
         self.tokenizer = load_tokenizer(config.model.path)
+        self.tool_format = self.tokenizer.tool_format
         self.model_name: str = info["model_name"]
         self.max_model_len: int = info["max_model_len"]
         self.block_size: int = info["block_size"]

@@ -16,8 +16,10 @@ class SamplingParams:
     alternatives (0: the sampled token's only; None: none), computed from the model's raw
     logits (before penalties, bias, grammar and temperature). ``json_schema``: the output
     must be JSON matching this schema (a JSON string; ``{}`` or ``{"type": "object"}`` for
-    plain JSON mode). ``skip_special_tokens``: leave special tokens out of the text.
-    ``n`` outputs share the prompt's prefill through the prefix cache.
+    plain JSON mode). ``grammar``: the output must match this llguidance Lark grammar (tool
+    calling's, :mod:`slimkv.options.tool_calls`). ``skip_special_tokens``: leave special
+    tokens out of the text. ``n`` outputs share the prompt's prefill through the prefix
+    cache.
     """
 
     max_tokens: int = 16
@@ -36,6 +38,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     json_schema: str | None = None
+    grammar: str | None = None
     n: int = 1
 
     def __post_init__(self) -> None:
@@ -83,7 +86,8 @@ class SamplingParams:
         them (:class:`~slimkv.engine.sampling.LogitsProcessor`)."""
         asked = {"logprobs": self.logprobs is not None, "min_tokens": self.min_tokens,
                  "logit_bias": self.logit_bias, "penalties": self.has_penalties,
-                 "json_schema": self.json_schema is not None}
+                 "json_schema": self.json_schema is not None,
+                 "grammar": self.grammar is not None}
         return frozenset(name for name, on in asked.items() if on)
 
     @property

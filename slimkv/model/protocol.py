@@ -33,9 +33,11 @@ class Tokenizer(Protocol):
     def token_texts(self, ids: Sequence[int]) -> list[str]:
         """Each token's own text (special tokens included), for log-probabilities."""
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
-        """The prompt ids of a chat (``ValueError`` when the model has no template);
-        ``options``: ``add_generation_prompt``, ``continue_final_message``, template variables."""
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            tools: list[dict] | None = None, **options: Any) -> list[int]:
+        """The prompt ids of a chat, with OpenAI ``tools`` (``ValueError`` when the model
+        has no template); ``options``: ``add_generation_prompt``,
+        ``continue_final_message``, template variables."""
 
 
 class ModelLoader(Protocol):

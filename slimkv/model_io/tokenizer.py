@@ -6,10 +6,14 @@ import json
 import os
 import re
 from collections.abc import Iterable, Sequence
+from functools import cached_property
 from typing import Any
 
 from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from slimkv.model_io.chat_tools import serving_format, tool_template_inputs
+from slimkv.options.tool_formats import ToolCallFormat, tokenizer_format
 
 # End-of-turn / end-of-document markers that stop generation when a model's vocab has them.
 _STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
@@ -40,6 +44,11 @@ class Tokenizer:
         hf = AutoTokenizer.from_pretrained(path)
         return cls(hf, os.path.basename(os.path.normpath(path)), _declared_eos(path))
 
+    @cached_property
+    def tool_format(self) -> ToolCallFormat:
+        """How this model writes tool calls (from its template and vocabulary)."""
+        return serving_format(self.hf, tokenizer_format(self.hf))
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # add_special_tokens lets the tokenizer's own post-processor decide about BOS.
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
@@ -51,20 +60,23 @@ class Tokenizer:
         """Each token's own text (special tokens included), for log-probabilities."""
         return self.hf.batch_decode([[i] for i in ids])
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], *,
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            tools: list[dict] | None = None, *,
                             add_generation_prompt: bool = True,
                             continue_final_message: bool = False, **kwargs: Any) -> list[int]:
-        """``kwargs`` become variables of the template (a request's ``chat_template_kwargs``)."""
+        """``tools``: OpenAI tool definitions (rendered as :mod:`.chat_tools` says);
+        ``kwargs`` become variables of the template (a request's ``chat_template_kwargs``)."""
         if not self.hf.chat_template:
             raise ValueError(f"model {self.name!r} has no chat template; "
                              "send a plain prompt instead")
+        messages, tools = tool_template_inputs(self.hf, messages, tools, self.tool_format)
         try:
             ids = self.hf.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt,
+                messages, tools=tools, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, tokenize=True,
                 return_dict=False, **kwargs)
         except (TemplateError, IndexError, TypeError) as exc:  # e.g. its raise_exception()
-            raise ValueError(f"the chat template cannot render these messages: {exc}") from exc
+            raise ValueError(f"messages: the chat template cannot render them: {exc}") from exc
         return list(ids)
 
 

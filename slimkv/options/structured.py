@@ -1,7 +1,8 @@
-"""Structured output: JSON-schema grammars (llguidance) and their batched token masks.
+"""Structured output: JSON-schema and Lark grammars (llguidance) and their batched token masks.
 
-A schema is compiled once (:meth:`Grammars.matcher` keeps the compiled matcher of the
-last :data:`CACHE_SIZE` schemas, keyed by the schema's canonical JSON) and every request
+A grammar is compiled once (:meth:`Grammars.matcher` keeps the compiled matcher of the
+last :data:`CACHE_SIZE` grammars, keyed by the schema's canonical JSON or the Lark text:
+tool calling's grammars, :mod:`slimkv.options.tool_calls`) and every request
 gets a copy of it that tracks its own output. Each step, the masks of all constrained rows
 are computed in one parallel call (``fill_next_token_bitmask_par``) into one int32
 bitmask, unpacked with tensor ops and applied to the logits in place.
@@ -54,33 +55,47 @@ class Grammars:
         self.vocab_size = vocab_size
         self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use (~1 s)
         self._executor: llguidance.LLExecutor | None = None
-        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str | None, str | None], llguidance.LLMatcher] = (
+            OrderedDict())
         self.num_compiled = 0
 
-    def matcher(self, schema: str) -> llguidance.LLMatcher:
-        """A fresh matcher for ``schema``; ``ValueError`` if the schema is invalid."""
-        compiled = self._compiled.get(schema)
+    def matcher(self, schema: str | None = None, lark: str | None = None
+                ) -> llguidance.LLMatcher:
+        """A fresh matcher for a JSON ``schema`` or a ``lark`` grammar; ``ValueError`` if
+        it is invalid."""
+        key = (schema, lark)
+        compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self._compile(schema)
-            self._compiled[schema] = compiled
+            compiled = self._compile(schema) if lark is None else self._compile_lark(lark)
+            self._compiled[key] = compiled
             if len(self._compiled) > CACHE_SIZE:
                 self._compiled.popitem(last=False)
-        self._compiled.move_to_end(schema)
+        self._compiled.move_to_end(key)
         return compiled.deep_copy()
+
+    def _compile_lark(self, lark: str) -> llguidance.LLMatcher:
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        except ValueError as exc:
+            raise ValueError(f"tools: cannot build the tool-call grammar: {exc}") from exc
+        return self._matcher(grammar, "tools: cannot build the tool-call grammar")
 
     def _compile(self, schema: str) -> llguidance.LLMatcher:
         error = schema_error(schema)
         if error:
             raise ValueError(f"response_format: invalid JSON schema: {error}")
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            schema, defaults={"whitespace_flexible": False})
+        return self._matcher(grammar, "response_format: invalid JSON schema")
+
+    def _matcher(self, grammar: str, what: str) -> llguidance.LLMatcher:
         if self._tokenizer is None:
             self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
                                                            eos_token=self._eos)
             self._executor = llguidance.LLExecutor()
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            schema, defaults={"whitespace_flexible": False})
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise ValueError(f"response_format: invalid JSON schema: {matcher.get_error()}")
+            raise ValueError(f"{what}: {matcher.get_error()}")
         self.num_compiled += 1
         return matcher
 
@@ -105,10 +120,11 @@ class Grammars:
 
 
 class StructuredOutput(LogitsProcessor):
-    """``json_schema``: each request's matcher (``seq.matcher``), made when it is added;
-    the forbidden tokens of every constrained row masked each step; the drawn ones consumed."""
+    """``json_schema`` and ``grammar``: each request's matcher (``seq.matcher``), made when
+    it is added; the forbidden tokens of every constrained row masked each step; the drawn
+    ones consumed."""
 
-    options = frozenset({"json_schema"})
+    options = frozenset({"json_schema", "grammar"})
 
     def __init__(self, grammars: Grammars) -> None:
         self.grammars = grammars
@@ -117,7 +133,9 @@ class StructuredOutput(LogitsProcessor):
         return seq.matcher is not None
 
     def add(self, seq: Sequence) -> None:
-        if seq.params.json_schema is not None:
+        if seq.params.grammar is not None:
+            seq.matcher = self.grammars.matcher(lark=seq.params.grammar)
+        elif seq.params.json_schema is not None:
             seq.matcher = self.grammars.matcher(seq.params.json_schema)
 
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:

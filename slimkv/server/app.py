@@ -16,6 +16,8 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 
 from slimkv.config import Config
+from slimkv.engine.sampling_params import SamplingParams
+from slimkv.options.tool_formats import GENERIC
 from slimkv.plugins import build_engine
 from slimkv.server.async_engine import AsyncEngine, GenerateRequest
 from slimkv.server.backend import REPLICA_HEADER, Backend
@@ -29,6 +31,8 @@ from slimkv.server.protocol import (ChatCompletionRequest, CompletionRequest, Sa
                                     model_card)
 from slimkv.server.responses import (ChatFormat, CompletionFormat, ResponseFormat, merge_outputs,
                                      respond)
+from slimkv.server.tool_responses import ToolChatFormat
+from slimkv.server.tools import NO_TOOLS, ToolPlan, tool_plan
 from slimkv.server.schema import Completion, ChatCompletion, generation_route, install_schema
 from slimkv.server.tokenize import TOKENIZER_REQUESTS, install_tokenizer_routes
 from slimkv.server.unsupported import CHAT, COMPLETIONS, refuse_unsupported
@@ -53,6 +57,7 @@ def create_app(engine: Backend, server: ServerConfig) -> FastAPI:
     and stops it on shutdown."""
     model_name = engine.model_name
     max_model_len = engine.max_model_len
+    tool_format = getattr(engine, "tool_format", GENERIC)  # test doubles may have none
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -67,7 +72,7 @@ def create_app(engine: Backend, server: ServerConfig) -> FastAPI:
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(server.api_key))])
 
     async def generate(body: SamplingRequest, prompts: list[Any], fmt: ResponseFormat,
-                       http: Request, **options: Any) -> Response:
+                       http: Request, tools: ToolPlan = NO_TOOLS, **options: Any) -> Response:
         """One engine request per prompt (``options``: GenerateRequest's fields)."""
         if body.model != model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
@@ -75,11 +80,17 @@ def create_app(engine: Backend, server: ServerConfig) -> FastAPI:
         body.check(server.max_n)
         fmt.n, fmt.prompt_logprobs, fmt.echo_only = body.n, body.prompt_logprobs, body.echo_only
         session_id = body.session_id or http.headers.get("x-session-id") or None
+
+        def make_params(num_prompt_tokens: int) -> SamplingParams:
+            params = body.sampling_params(
+                max(1, min(DEFAULT_MAX_TOKENS, max_model_len - num_prompt_tokens)))
+            params.grammar = tools.grammar
+            return params
+
         fmt.requests = [GenerateRequest(
             fmt.request_id if len(prompts) == 1 else f"{fmt.request_id}-{p}", prompt,
-            isinstance(body, ChatCompletionRequest),
-            lambda n: body.sampling_params(max(1, min(DEFAULT_MAX_TOKENS, max_model_len - n))),
-            session_id=session_id, prompt_logprobs=body.prompt_logprobs_k, **options)
+            isinstance(body, ChatCompletionRequest), make_params, session_id=session_id,
+            prompt_logprobs=body.prompt_logprobs_k, tools=tools.template_tools, **options)
             for p, prompt in enumerate(prompts)]
         streams = [engine.generate(r) for r in fmt.requests]
         outputs = streams[0] if len(streams) == 1 else merge_outputs(streams, body.n)
@@ -92,8 +103,12 @@ def create_app(engine: Backend, server: ServerConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request, ChatCompletionRequest, server.max_body_bytes,
                                lambda data: refuse_unsupported(data, CHAT))
-        return await generate(body, [body.template_messages()], ChatFormat(_new_id("chatcmpl"), model_name),
-                              request, template=body.template_options())
+        tools = tool_plan(body, tool_format, body.response_format is not None
+                          and body.response_format.type != "text")
+        fmt = (ToolChatFormat(_new_id("chatcmpl"), model_name, tool_format) if tools.grammar
+               else ChatFormat(_new_id("chatcmpl"), model_name))
+        return await generate(body, [body.template_messages()], fmt, request, tools,
+                              template=body.template_options())
 
     @v1.post("/completions", **generation_route(CompletionRequest, Completion))
     async def completions(request: Request) -> Response:

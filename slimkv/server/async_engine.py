@@ -26,6 +26,7 @@ from slimkv.engine.llm_engine import LLMEngine, RequestError
 from slimkv.engine.engine_stats import EngineStats
 from slimkv.engine.outputs import RequestOutput
 from slimkv.model.protocol import Tokenizer
+from slimkv.options.tool_formats import GENERIC, ToolCallFormat
 from slimkv.server.cache_state import CacheHistory
 from slimkv.server.canary import Canary
 from slimkv.server.errors import APIError, ServerBusy
@@ -63,6 +64,7 @@ class AsyncEngine:
         self.step_hooks.append(self.history)
         # The engine's stats after the thread's last step (frozen; any thread may read it).
         self.latest_stats: EngineStats = engine.stats()
+        self.tool_format: ToolCallFormat = getattr(engine.tokenizer, "tool_format", GENERIC)
         metrics.describe_engine(self.latest_stats)
 
     @property

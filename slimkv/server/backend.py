@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from slimkv.engine.outputs import RequestOutput
 from slimkv.model.protocol import Tokenizer
+from slimkv.options.tool_formats import ToolCallFormat
 
 if TYPE_CHECKING:
     from slimkv.server.async_engine import GenerateRequest
@@ -21,6 +22,7 @@ REPLICA_HEADER = "X-Slimkv-Replica"  # names the cluster replica that served a r
 class Backend(Protocol):
     model_name: str
     max_model_len: int
+    tool_format: ToolCallFormat   # how the model writes tool calls (the reply parser's)
 
     def start(self) -> None: ...
 

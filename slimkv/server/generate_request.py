@@ -33,6 +33,7 @@ class GenerateRequest:
     make_params: Callable[[int], SamplingParams]
     session_id: str | None = None
     template: dict[str, Any] = field(default_factory=dict)  # apply_chat_template's options
+    tools: list[dict] | None = None            # OpenAI tool definitions for the template
     add_special_tokens: bool = True            # a text prompt's BOS/EOS, as its tokenizer adds
     echo: bool = False
     prompt_logprobs: int | None = None
@@ -61,7 +62,7 @@ class GenerateRequest:
 def prompt_ids(tokenizer: Tokenizer, request: GenerateRequest) -> list[int]:
     """The request's prompt as token ids (a chat through the model's template)."""
     if request.chat:
-        return tokenizer.apply_chat_template(request.prompt, **request.template)
+        return tokenizer.apply_chat_template(request.prompt, request.tools, **request.template)
     if isinstance(request.prompt, str):
         return tokenizer.encode(request.prompt, request.add_special_tokens)
     return list(request.prompt)

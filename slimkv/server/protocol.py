@@ -9,18 +9,20 @@ and the chat-template controls. Log-probability counts out of range, invalid JSO
 and contradictory options are 400s (checked by :meth:`SamplingRequest.check`, as vLLM and
 OpenAI answer them); other field errors are 422s naming the field. Fields of OpenAI's or
 vLLM's schemas that slimkv does not implement are refused by
-:mod:`slimkv.server.unsupported` before these models see the body.
+:mod:`slimkv.server.unsupported` before these models see the body. Tool calling's fields
+and their 400s: :mod:`slimkv.server.tools`.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from slimkv.options.structured import JSON_OBJECT_SCHEMA, canonical_schema, schema_error
 from slimkv.engine.sampling import SamplingParams
 from slimkv.server.errors import APIError
+from slimkv.server.tools import AssistantToolCall, ToolFields
 
 MAX_LOGIT_BIAS = 1024
 MAX_CHAT_LOGPROBS = 20      # OpenAI's limits
@@ -176,14 +178,26 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None: an assistant turn with tool_calls
+    name: str | None = None
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    tool_calls: list[AssistantToolCall] | None = None
 
-    def as_template_message(self) -> dict[str, str]:
+    @model_validator(mode="after")
+    def _check_content(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content: a {self.role} message needs content (only an "
+                             "assistant turn, with tool_calls, may have none)")
+        return self
+
+    def as_template_message(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content}
+        message = {"role": self.role, "content": content}
+        return {**message, **self.model_dump(include={"name", "tool_call_id", "tool_calls"},
+                                             exclude_none=True)}
 
 
 class TemplateControls(BaseModel):
@@ -217,7 +231,7 @@ class TemplateControls(BaseModel):
                 "continue_final_message": self.continue_final_message}
 
 
-class ChatCompletionRequest(TemplateControls, SamplingRequest):
+class ChatCompletionRequest(ToolFields, TemplateControls, SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, json_schema_extra={

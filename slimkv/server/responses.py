@@ -59,6 +59,13 @@ class ResponseFormat:
         return response_envelope(self.request_id, self.chunk_object_name, self.model, [
             self.choice(out.index, out.new_text, out.finish_reason, out.logprobs, True, first)])
 
+    def chunks(self, out: RequestOutput, first: bool = False) -> list[dict[str, Any]]:
+        """The stream's chunks for one output (tool calls may take several)."""
+        return [self.chunk(out, first)]
+
+    def feed(self, out: RequestOutput) -> Any:
+        """See every output of an unstreamed reply before :meth:`complete` (tool calls)."""
+
     def usage_chunk(self, finals: list[RequestOutput]) -> dict[str, Any]:
         return response_envelope(self.request_id, self.chunk_object_name, self.model, [],
                                  usage(finals, self.n, self.echo_only))
@@ -177,6 +184,7 @@ async def respond(outputs: AsyncIterator[RequestOutput], body: SamplingRequest,
         out = first
         while True:
             finals[out.index] = out
+            fmt.feed(out)
             if out.logprobs is not None:
                 logprobs.setdefault(out.index, []).extend(out.logprobs)
             if len(finals) == num_choices and all(o.finished for o in finals.values()):
@@ -206,9 +214,11 @@ async def _events(first: RequestOutput, outputs: AsyncIterator[RequestOutput],
     a cluster replica that died) ends the stream with an ``{"error": {...}}`` event."""
     finals = {first.index: first}
     try:
-        yield _sse(fmt.chunk(first, first=True))
+        for chunk in fmt.chunks(first, first=True):
+            yield _sse(chunk)
         async for out in outputs:
-            yield _sse(fmt.chunk(out, first=out.index not in finals))
+            for chunk in fmt.chunks(out, first=out.index not in finals):
+                yield _sse(chunk)
             finals[out.index] = out
         if body.include_usage:
             yield _sse(fmt.usage_chunk([finals[i] for i in sorted(finals)]))

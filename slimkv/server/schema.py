@@ -16,6 +16,8 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from slimkv.server.tools import AssistantToolCall
+
 
 class ErrorDetail(BaseModel):
     message: str
@@ -56,6 +58,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
+    tool_calls: list[AssistantToolCall] | None = None  # with tools (finish_reason tool_calls)
 
 
 class ChatChoice(BaseModel):
