@@ -1,17 +1,15 @@
 """OpenAI-shaped request bodies (pydantic). Unknown request fields are ignored, as OpenAI's
-own API does, so clients that send newer options keep working.
+own API does, so clients that send newer options keep working; fields of OpenAI's or vLLM's
+schemas that slimkv does not implement are refused first (:mod:`slimkv.server.unsupported`),
+tool calling's fields checked by :mod:`slimkv.server.tools`.
 
-Options beyond the basics: ``presence_penalty``, ``frequency_penalty``, ``logit_bias``,
-``n``, ``logprobs`` (+ chat ``top_logprobs``), ``response_format``, completions' ``echo``
-and lists of prompts; and vLLM's ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``skip_special_tokens``, ``prompt_logprobs``, ``add_special_tokens``
-and the chat-template controls. Log-probability counts out of range, invalid JSON schemas
-and contradictory options are 400s (checked by :meth:`SamplingRequest.check`, as vLLM and
-OpenAI answer them); other field errors are 422s naming the field. Fields of OpenAI's or
-vLLM's schemas that slimkv does not implement are refused by
-:mod:`slimkv.server.unsupported` before these models see the body. Tool calling's fields
-and their 400s: :mod:`slimkv.server.tools`.
-"""
+Options beyond the basics: OpenAI's penalties, ``logit_bias``, ``n``, ``logprobs`` (+ chat
+``top_logprobs``), ``response_format``, completions' ``echo`` and lists of prompts; vLLM's
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``skip_special_tokens``, ``prompt_logprobs``, ``add_special_tokens`` and the chat-template
+controls. Out-of-range log-probability counts, invalid JSON schemas and contradictory
+options are 400s (:meth:`SamplingRequest.check`, as vLLM and OpenAI answer them); other
+field errors are 422s naming the field."""
 
 from __future__ import annotations
 
@@ -28,8 +26,7 @@ MAX_LOGIT_BIAS = 1024
 MAX_CHAT_LOGPROBS = 20      # OpenAI's limits
 MAX_COMPLETION_LOGPROBS = 5
 MAX_PROMPT_LOGPROBS = 20    # vLLM's default max_logprobs
-# apply_chat_template's own parameters and the template's fixed variables: a request's
-# chat_template_kwargs may not override them (they have fields of their own, or none).
+# Not for chat_template_kwargs: apply_chat_template's parameters, the template's fixed inputs.
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "self", "messages", "conversation", "tools", "documents", "chat_template",
     "add_generation_prompt", "continue_final_message", "tokenize", "sanitize_control_tokens",
