@@ -105,7 +105,8 @@ def create_app(engine: Backend, server: ServerConfig) -> FastAPI:
                                lambda data: refuse_unsupported(data, CHAT))
         tools = tool_plan(body, tool_format, body.response_format is not None
                           and body.response_format.type != "text")
-        fmt = (ToolChatFormat(_new_id("chatcmpl"), model_name, tool_format) if tools.grammar
+        fmt = (ToolChatFormat(_new_id("chatcmpl"), model_name, tool_format=tool_format)
+               if tools.grammar
                else ChatFormat(_new_id("chatcmpl"), model_name))
         return await generate(body, [body.template_messages()], fmt, request, tools,
                               template=body.template_options())
