@@ -191,3 +191,34 @@ def test_openai_sdk_echo_and_prompt_lists(server):
     assert [c.index for c in reply.choices] == [0, 1]
     assert reply.choices[0].text.startswith("Red") and reply.choices[1].text.startswith("Blue")
     assert reply.choices[0].logprobs.token_logprobs[0] is None
+
+
+def test_staggered_prompts_start_one_after_another() -> None:
+    """A cluster's list of prompts: prompt p + 1's request starts only once prompt p's has
+    answered (Ray Serve's router could lose one of two calls made at once from one HTTP
+    request); unstaggered, all start at once. Either way every output arrives, renumbered."""
+    import asyncio
+
+    from slimkv.engine.outputs import RequestOutput
+    from slimkv.server.responses import merge_outputs
+
+    def outputs(p: int, started: list[int]):
+        async def gen():
+            started.append(p)
+            await asyncio.sleep(0.01)
+            yield RequestOutput(f"r{p}", [p], str(p), True, "stop", 1, 1, 0)
+        return gen()
+
+    async def run(stagger: bool) -> tuple[list[int], list[int]]:
+        started: list[int] = []
+        merged = merge_outputs([outputs(p, started) for p in range(3)], 1, stagger=stagger)
+        seen = []
+        async for out in merged:
+            seen.append((out.index, list(started)))
+        return seen
+
+    staggered = asyncio.run(run(True))
+    assert [i for i, _ in staggered] == [0, 1, 2]
+    assert [s for _, s in staggered] == [[0], [0, 1], [0, 1, 2]]  # none before p answered
+    together = asyncio.run(run(False))
+    assert sorted(i for i, _ in together) == [0, 1, 2] and together[0][1] == [0, 1, 2]

@@ -49,6 +49,10 @@ class ReplicaLost(Exception):
 
 
 class ClusterBackend:
+    # A list of prompts is one call per prompt: one at a time to the router (see
+    # slimkv.server.responses.merge_outputs), as _each does for its fan-out.
+    routes_one_call_at_a_time = True
+
     def __init__(self, engines: DeploymentHandle, config: Config, info: dict[str, Any],
                  app_name: str) -> None:
         self.engines = engines

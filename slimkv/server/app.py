@@ -93,7 +93,8 @@ def create_app(engine: Backend, server: ServerConfig) -> FastAPI:
             prompt_logprobs=body.prompt_logprobs_k, tools=tools.template_tools, **options)
             for p, prompt in enumerate(prompts)]
         streams = [engine.generate(r) for r in fmt.requests]
-        outputs = streams[0] if len(streams) == 1 else merge_outputs(streams, body.n)
+        outputs = streams[0] if len(streams) == 1 else merge_outputs(
+            streams, body.n, stagger=getattr(engine, "routes_one_call_at_a_time", False))
         response = await respond(outputs, body, fmt, http, body.n * len(prompts))
         if replicas := sorted({r.replica for r in fmt.requests if r.replica is not None}):
             response.headers[REPLICA_HEADER] = ",".join(replicas)

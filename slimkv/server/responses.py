@@ -144,16 +144,23 @@ class ClientGone(Exception):
     """The client disconnected before the response started."""
 
 
-async def merge_outputs(streams: list[AsyncIterator[RequestOutput]],
-                        n: int) -> AsyncIterator[RequestOutput]:
+async def merge_outputs(streams: list[AsyncIterator[RequestOutput]], n: int,
+                        stagger: bool = False) -> AsyncIterator[RequestOutput]:
     """The outputs of one request per prompt as they come, choice ``i`` of prompt ``p``
-    renumbered ``p * n + i``. A failure of one ends all; closing this closes (aborts) all."""
-    pending = {asyncio.ensure_future(anext(s)): p for p, s in enumerate(streams)}
+    renumbered ``p * n + i``. A failure of one ends all; closing this closes (aborts) all.
+    ``stagger``: prompt ``p + 1``'s request starts once prompt ``p``'s has answered (a
+    cluster: Ray Serve matches a routed call to its waiter by the HTTP request's id, which
+    concurrent calls from one request share, so one of them could wait forever)."""
+    started = 1 if stagger else len(streams)
+    pending = {asyncio.ensure_future(anext(s)): p for p, s in enumerate(streams[:started])}
     try:
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for future in sorted(done, key=pending.get):
                 p = pending.pop(future)
+                if p + 1 == started < len(streams):  # routed and answering: start the next
+                    pending[asyncio.ensure_future(anext(streams[started]))] = started
+                    started += 1
                 try:
                     out = future.result()
                 except StopAsyncIteration:
