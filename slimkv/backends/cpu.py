@@ -9,6 +9,12 @@ then the kernel attends. The one-call step (:mod:`slimkv.backends.cpu_step`) run
 for every layer at once (:meth:`CpuBackend.can_lean`, :meth:`lean_layer`,
 :meth:`after_lean_step`), also for an unstaged pool stored in the model dtype, which the
 stage kernel writes as it writes staging.
+
+An int8 pool's blocks go in and out through :mod:`slimkv.backends.cpu_kv`'s kernel: the
+pool's writer quantizes whole blocks, and a prefill chunk reads its prefix dequantized
+straight into the model dtype, each piece's staged keys copied in after its pool keys
+(pieces last to first, each overwriting only keys the earlier ones do not see) instead of
+concatenated with them.
 """
 
 from __future__ import annotations
@@ -16,13 +22,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from slimkv.attention.metadata import AttentionMetadata, DecodePlan
+from slimkv.attention import prefill
+from slimkv.attention.metadata import AttentionMetadata, DecodePlan, PrefillChunk
 from slimkv.attention.sdpa import SdpaBackend
+from slimkv.backends.cpu_kv import KINDS as KV_KINDS
+from slimkv.backends.cpu_kv import CpuPoolWriter, int8_mode, kv_blocks_kernel
 from slimkv.backends.cpu_step import LeanStep
 from slimkv.kernels import KVSide, decode_kernel, describe, kernel_unavailable_reason
 from slimkv.kernels.stage import KINDS, stage_kernel
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.quant import FloatCodec
+from slimkv.kv.staging import StagedKV
+from slimkv.stats import cdiv
 
 
 class CpuBackend(SdpaBackend):
@@ -46,6 +57,12 @@ class CpuBackend(SdpaBackend):
             all(isinstance(c, FloatCodec) and c.storage_dtype == dtype for c in cache.all_codecs()))
         self.stage = stage_kernel() if lean else None
         self._q = torch.empty(0)  # one float32 Q buffer, reused by every layer's lean decode
+        self.modes = [tuple(int8_mode(cache.layer_codecs[layer][side]) for side in ("k", "v"))
+                      for layer in range(cache.num_layers)]
+        int8 = any(None not in modes for modes in self.modes) and dtype in KV_KINDS
+        self.blocks = kv_blocks_kernel() if int8 else None
+        if self.blocks is not None and cache.block_scaled and cache.writer is None:
+            cache.writer = CpuPoolWriter(cache, self.blocks)
 
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
                 meta: AttentionMetadata) -> tuple[Tensor, tuple[str, ...]]:
@@ -59,6 +76,31 @@ class CpuBackend(SdpaBackend):
             q[plan.rows].float(), plan.block_tables, plan.seq_lens, *self.sides[layer],
             self.cache.num_kv_heads, self.cache.block_size, self.scale,
             None if buffers is None else (*buffers, plan.staging_slots)).to(self.dtype)
+
+    def prefill(self, layer: int, q: Tensor, chunk: PrefillChunk, staged: StagedKV | None,
+                meta: AttentionMetadata) -> Tensor:
+        modes = self.modes[layer]
+        if self.blocks is None or None in modes or type(q) is not torch.Tensor:
+            return super().prefill(layer, q, chunk, staged, meta)
+        start = None if staged is None else staged.start
+        pieces = chunk.pieces if meta.piece_dtype == self.dtype and \
+            chunk.staged_start == start else None
+        pieces = pieces or prefill.plan(chunk.seq_len, len(q), start, self.cache.block_size,
+                                        self.dtype, q.device)
+        rows = max(p.num_pool_keys + (p.staged.stop - p.staged.start if p.staged else 0)
+                   for p in pieces)
+        pool = max(p.num_pool_keys for p in pieces)
+        ids = meta.block_tables[chunk.seq, :cdiv(pool, self.cache.block_size)]
+        k, v = (self.blocks.read(self.cache.layer_pool(side, layer), mode, ids, self.dtype, rows)
+                for side, mode in zip(("k", "v"), modes))
+        out = torch.empty_like(q)
+        for p in reversed(pieces):  # pool keys grow piece by piece
+            n = p.num_pool_keys
+            if p.staged is not None:
+                n += p.staged.stop - p.staged.start
+                k[p.num_pool_keys:n], v[p.num_pool_keys:n] = staged.k[p.staged], staged.v[p.staged]
+            out[p.rows] = prefill.attend(q[p.rows], k[:n], v[:n], p.mask, self.scale)
+        return out
 
     def _lean_decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
                      plan: DecodePlan) -> Tensor:

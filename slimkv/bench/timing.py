@@ -54,6 +54,7 @@ def environment(dtype: torch.dtype | None = None) -> dict[str, Any]:
     """The host (:func:`~slimkv.bench.engine.machine_info`: CPU model, ISA flags, threads),
     the model dtype ``model.dtype: auto`` picks here and the one measured (``dtype``, else
     the same), and why any native kernel is missing."""
+    from slimkv.backends.cpu_kv import kv_blocks_unavailable_reason
     from slimkv.engine.runner import resolve_dtype
     from slimkv.kernels import kernel_unavailable_reason
     from slimkv.kernels.prefill_attn import prefill_kernel_unavailable_reason
@@ -61,7 +62,8 @@ def environment(dtype: torch.dtype | None = None) -> dict[str, Any]:
 
     auto = resolve_dtype("auto", torch.device("cpu"))
     missing = {"decode": kernel_unavailable_reason(), "qgemm": qgemm_unavailable_reason(),
-               "prefill": prefill_kernel_unavailable_reason()}
+               "prefill": prefill_kernel_unavailable_reason(),
+               "kv_blocks": kv_blocks_unavailable_reason()}
     return {**machine_info(), "model_dtype_auto": dtype_name(auto),
             "dtype": dtype_name(dtype or auto),
             "kernels_missing": {k: v for k, v in missing.items() if v}}
