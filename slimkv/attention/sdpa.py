@@ -56,10 +56,15 @@ class SdpaBackend(AttentionBackend):
         its pool blocks (planned here only for a step built otherwise: tests)."""
         k, v = self.cache.read_prefix(layer, meta.block_tables[chunk.seq:chunk.seq + 1],
                                       chunk.seq_len, self.dtype)
+        return prefill.run(self.pieces(q, chunk, staged, meta), q, k[0], v[0], staged,
+                           self.scale)
+
+    def pieces(self, q: Tensor, chunk: PrefillChunk, staged: StagedKV | None,
+               meta: AttentionMetadata) -> tuple[prefill.Piece, ...]:
+        """The chunk's pieces: the metadata's, or planned here where the step was built for
+        another dtype or staging (tests)."""
         staged_start = None if staged is None else staged.start
-        pieces = chunk.pieces if meta.piece_dtype == self.dtype and \
-            chunk.staged_start == staged_start else None
-        if pieces is None:
-            pieces = prefill.plan(chunk.seq_len, len(q), staged_start, self.cache.block_size,
-                                  self.dtype, q.device)
-        return prefill.run(pieces, q, k[0], v[0], staged, self.scale)
+        if meta.piece_dtype == self.dtype and chunk.staged_start == staged_start:
+            return chunk.pieces
+        return tuple(prefill.plan(chunk.seq_len, len(q), staged_start, self.cache.block_size,
+                                  self.dtype, q.device))

@@ -82,11 +82,7 @@ class CpuBackend(SdpaBackend):
         modes = self.modes[layer]
         if self.blocks is None or None in modes or type(q) is not torch.Tensor:
             return super().prefill(layer, q, chunk, staged, meta)
-        start = None if staged is None else staged.start
-        pieces = chunk.pieces if meta.piece_dtype == self.dtype and \
-            chunk.staged_start == start else None
-        pieces = pieces or prefill.plan(chunk.seq_len, len(q), start, self.cache.block_size,
-                                        self.dtype, q.device)
+        pieces = self.pieces(q, chunk, staged, meta)
         rows = max(p.num_pool_keys + (p.staged.stop - p.staged.start if p.staged else 0)
                    for p in pieces)
         pool = max(p.num_pool_keys for p in pieces)
