@@ -78,3 +78,44 @@ def test_special_tokens_kept_on_request_but_never_the_end_of_turn() -> None:
         seq.finish_reason = "stop"  # as the engine sets it for an end-of-turn token
         detok.update(seq)
         assert seq.output_text == ("hi" if skip else "h<|end|>i")
+
+
+class CountingTokenizer:
+    """The embedded model's tokenizer, recording how many ids each decode call was given."""
+
+    def __init__(self, tokenizer) -> None:
+        self.inner, self.calls = tokenizer, []
+        self.eos_token_ids = tokenizer.eos_token_ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.calls.append(len(ids))
+        return self.inner.decode(ids, skip_special_tokens)
+
+
+def test_incremental_text_equals_a_full_decode_with_short_windows() -> None:
+    """Against the real byte-level BPE tokenizer: random vocabulary ids (byte tokens that
+    split multi-byte characters included) and a real multilingual text, streamed one id at
+    a time, add up to the full decode, and no decode call sees more than a few ids (a full
+    decode per token made long outputs quadratic)."""
+    import random
+
+    from slimkv.model_io import Tokenizer, default_model_path
+
+    real = Tokenizer.from_gguf(default_model_path())
+    rng = random.Random(0)
+    texts = [real.encode("Zürich → 東京, naïve café: ünïcödé ✓ 🚀 and plain text. " * 8,
+                         add_special_tokens=False),
+             [rng.randrange(real.vocab_size) for _ in range(400)]]
+    for ids in texts:
+        for skip in (True, False):
+            tok = CountingTokenizer(real)
+            seq = Sequence("r", [0], SamplingParams(skip_special_tokens=skip, ignore_eos=True))
+            detok = Detokenizer(tok)
+            deltas = []
+            for token in ids:
+                seq.token_ids.append(token)
+                deltas.append(detok.update(seq))
+            full = real.decode(ids, skip)
+            assert seq.output_text == full
+            assert full.startswith("".join(deltas))
+            assert max(tok.calls) < 16, max(tok.calls)

@@ -66,7 +66,7 @@ class Detokenizer:
         ids = seq.output_token_ids
         if seq.finish_reason == "stop" and ids[-1] in self.tokenizer.eos_token_ids:
             ids = ids[:-1]  # the end-of-turn token's text is never output (vLLM's rule)
-        text = self.tokenizer.decode(ids, seq.params.skip_special_tokens)
+        text = self._text(seq, ids)
         stops = seq.params.stop if seq.num_output_tokens >= seq.params.min_tokens else []
         if stops:
             start = max(0, emitted - max(len(s) for s in stops))
@@ -84,6 +84,19 @@ class Detokenizer:
                 safe = min(safe, len(text) - _longest_stop_prefix_suffix(text, stops))
         seq.num_emitted_chars = max(safe, emitted)
         return text[emitted:seq.num_emitted_chars]
+
+    def _text(self, seq: Sequence, ids: list[int]) -> str:
+        """The text of ``ids``, decoding only from a few tokens back (vLLM's incremental
+        detokenization): a full decode per token made a long output quadratic (~0.17 ms per
+        token at 64 output tokens here, ~1.4 ms of a 21 ms 8-sequence step). ``seq.detok``:
+        ``(prefix, read, settled)``, ``settled`` the text of ``ids[:read]``; both windows
+        start at ``prefix`` so whatever a tokenizer does to a window's first token cancels."""
+        prefix, read, settled = seq.detok
+        head = self.tokenizer.decode(ids[prefix:read], seq.params.skip_special_tokens)
+        new = self.tokenizer.decode(ids[prefix:], seq.params.skip_special_tokens)[len(head):]
+        if new and not new.endswith("\ufffd"):  # complete characters: later ids keep them
+            seq.detok = (read, len(ids), settled + new)
+        return settled + new
 
 
 def _longest_stop_prefix_suffix(text: str, stops: list[str]) -> int:

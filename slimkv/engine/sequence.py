@@ -45,6 +45,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.output_text = ""
         self.num_emitted_chars = 0
+        self.detok: tuple[int, int, str] = (0, 0, "")  # the Detokenizer's (see outputs.py)
         self.generator: torch.Generator | None = None  # a seeded request's, see ModelRunner
         self.matcher: Any = None  # the grammar state of a structured-output request
         self.arrival_time = time.monotonic()
