@@ -26,7 +26,12 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-dtypes", type=_csv, default=_csv(DEFAULT_DTYPES),
                    help=f"dtypes to evaluate (default {DEFAULT_DTYPES})")
     p.add_argument("--reference", default="float32", help="reference KV dtype (default float32)")
-    p.add_argument("--suite", choices=("quick", "full"), default="quick")
+    p.add_argument("--suite", choices=("quick", "full", "stats"), default="quick",
+                   help="stats: 200 sliding windows with bootstrap intervals, 10 passkeys "
+                        "per cell with McNemar counts, and the floor (docs/accuracy.md)")
+    p.add_argument("--floor", type=int, metavar="CHUNK",
+                   help="also run the reference prefilled CHUNK tokens a step (the rounding "
+                        "floor; default: the suite's, 64 for stats; 0: none)")
     p.add_argument("--serving", type=_csv,
                    help="dtypes the gate applies to (default: the config's kv_cache.dtype)")
     p.add_argument("--max-regression", type=_percent, default=1.0,
@@ -64,7 +69,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return cmd_sensitivity(args, config)
     serving = args.serving or [config.kv_cache.dtype]
     ev = run_eval(config, args.kv_dtypes, SUITES[args.suite], args.reference,
-                  progress=not args.no_progress)
+                  progress=not args.no_progress, floor_chunk=args.floor)
     result = to_json(ev, serving, args.max_regression)
     if args.out:
         _write(args.out, json.dumps(result, indent=2) + "\n")
