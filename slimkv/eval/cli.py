@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -37,6 +38,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-regression", type=_percent, default=1.0,
                    help="gate: worst allowed regression, e.g. 1%% (perplexity: percent; "
                         "task accuracy: points)")
+    p.add_argument("--keys", type=int, help="passkey keys per cell (default: the suite's)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--markdown", help="also write the markdown table here")
@@ -56,7 +58,9 @@ def _add_sensitivity_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target-bits", type=float, default=6.0,
                    help="average stored bits per KV value, scales included (default 6)")
     g.add_argument("--rank-by", choices=("perplexity", "kl"), default="perplexity")
-    g.add_argument("--windows", type=int, help="corpus windows (default: the suite's)")
+    g.add_argument("--windows", type=int,
+                   help="corpus windows: the first N (default: the suite's; also for a "
+                        "smaller eval run)")
     g.add_argument("--window", type=int, help="tokens per window (default: the suite's)")
 
 
@@ -68,7 +72,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.sensitivity:
         return cmd_sensitivity(args, config)
     serving = args.serving or [config.kv_cache.dtype]
-    ev = run_eval(config, args.kv_dtypes, SUITES[args.suite], args.reference,
+    suite = SUITES[args.suite]
+    if args.windows or args.keys:   # a smaller run of the suite (first windows, fewer keys)
+        suite = dataclasses.replace(suite, num_windows=args.windows or suite.num_windows,
+                                    keys_per_cell=args.keys or suite.keys_per_cell)
+    ev = run_eval(config, args.kv_dtypes, suite, args.reference,
                   progress=not args.no_progress, floor_chunk=args.floor)
     result = to_json(ev, serving, args.max_regression)
     if args.out:
