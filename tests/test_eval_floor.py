@@ -70,6 +70,7 @@ def test_a_tiny_stats_run_reports_intervals_and_mcnemar() -> None:
                if k != "top1_agreement")
     assert same["mcnemar"]["passkey"] == {"b": 0, "c": 0, "p": 1.0}
     assert sum(c["keys"] for c in same["passkey_cells"].values()) == 6
-    assert same["above_floor"] is not None and out["dtypes"]["float32@chunk=64"]["above_floor"] is None
+    assert same["above_floor"] is not None
+    assert out["dtypes"]["float32@chunk=64"]["above_floor"] is None
     assert out["floor"] == "float32@chunk=64" and out["windows"] == 3
     assert "+0.00% [+0.00, +0.00]" in markdown(ev)
