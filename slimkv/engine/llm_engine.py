@@ -201,10 +201,12 @@ class LLMEngine:
             self.scheduler.add(seq)
         return [self._append_token(seq, token) for seq, token in sampled]
 
-    def score(self, token_ids: list[int], chunk: int | None = None) -> torch.Tensor:
+    def score(self, token_ids: list[int], chunk: int | None = None,
+              last: int | None = None) -> torch.Tensor:
         """Teacher-forced logits [len, vocab] at every position of ``token_ids``, through the
         same paged, quantized cache as serving (in chunks of the step budget; nothing is
-        left in the prefix cache). For perplexity and accuracy evaluation."""
+        left in the prefix cache). For perplexity and accuracy evaluation. With ``last``,
+        only the last ``last`` positions' logits (the others are prefilled, not projected)."""
         seq = Sequence(f"score-{next(self._ids)}", token_ids, SamplingParams(max_tokens=1))
         self.check_request(token_ids, seq.params)
         chunk = chunk or self.config.scheduler.max_num_batched_tokens
@@ -215,7 +217,8 @@ class LLMEngine:
                 if not self.manager.can_allocate(seq, n):
                     raise RequestError("not enough free KV blocks to score this text now")
                 self.manager.allocate(seq, n)
-                logits.append(self.runner.logits(seq, n))
+                keep = n if last is None else max(0, min(n, last - seq.num_uncomputed_tokens + n))
+                logits.append(self.runner.logits(seq, n, keep))
                 seq.num_computed_tokens += n
         finally:
             self.manager.free(seq)

@@ -176,11 +176,15 @@ class ModelRunner:
         return seq.generator
 
     @torch.inference_mode()
-    def logits(self, seq: Sequence, num_tokens: int) -> torch.Tensor:
-        """Logits ``[num_tokens, vocab]`` of the sequence's next ``num_tokens`` tokens (its
-        blocks must already hold room for them): teacher forcing, for scoring."""
+    def logits(self, seq: Sequence, num_tokens: int, keep: int | None = None) -> torch.Tensor:
+        """Logits ``[keep, vocab]`` of the last ``keep`` (default all) of the sequence's next
+        ``num_tokens`` tokens (its blocks must already hold room for them): teacher
+        forcing, for scoring."""
         step, _, _ = self._prepare([(seq, num_tokens)])
-        return self.model.compute_logits(self._forward(step))
+        hidden, keep = self._forward(step), num_tokens if keep is None else keep
+        if not keep:
+            return hidden.new_empty(0, self.model_args.vocab_size, dtype=torch.float32)
+        return self.model.compute_logits(hidden[len(hidden) - keep:])
 
     def _forward(self, step: StepInputs) -> torch.Tensor:
         meta = step.meta

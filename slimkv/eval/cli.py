@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -26,12 +27,18 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-dtypes", type=_csv, default=_csv(DEFAULT_DTYPES),
                    help=f"dtypes to evaluate (default {DEFAULT_DTYPES})")
     p.add_argument("--reference", default="float32", help="reference KV dtype (default float32)")
-    p.add_argument("--suite", choices=("quick", "full"), default="quick")
+    p.add_argument("--suite", choices=("quick", "full", "stats"), default="quick",
+                   help="stats: 200 sliding windows with bootstrap intervals, 10 passkeys "
+                        "per cell with McNemar counts, and the floor (docs/accuracy.md)")
+    p.add_argument("--floor", type=int, metavar="CHUNK",
+                   help="also run the reference prefilled CHUNK tokens a step (the rounding "
+                        "floor; default: the suite's, 64 for stats; 0: none)")
     p.add_argument("--serving", type=_csv,
                    help="dtypes the gate applies to (default: the config's kv_cache.dtype)")
     p.add_argument("--max-regression", type=_percent, default=1.0,
                    help="gate: worst allowed regression, e.g. 1%% (perplexity: percent; "
                         "task accuracy: points)")
+    p.add_argument("--keys", type=int, help="passkey keys per cell (default: the suite's)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--markdown", help="also write the markdown table here")
@@ -51,7 +58,9 @@ def _add_sensitivity_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target-bits", type=float, default=6.0,
                    help="average stored bits per KV value, scales included (default 6)")
     g.add_argument("--rank-by", choices=("perplexity", "kl"), default="perplexity")
-    g.add_argument("--windows", type=int, help="corpus windows (default: the suite's)")
+    g.add_argument("--windows", type=int,
+                   help="corpus windows: the first N (default: the suite's; also for a "
+                        "smaller eval run)")
     g.add_argument("--window", type=int, help="tokens per window (default: the suite's)")
 
 
@@ -63,8 +72,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.sensitivity:
         return cmd_sensitivity(args, config)
     serving = args.serving or [config.kv_cache.dtype]
-    ev = run_eval(config, args.kv_dtypes, SUITES[args.suite], args.reference,
-                  progress=not args.no_progress)
+    suite = SUITES[args.suite]
+    if args.windows or args.keys:   # a smaller run of the suite (first windows, fewer keys)
+        suite = dataclasses.replace(suite, num_windows=args.windows or suite.num_windows,
+                                    keys_per_cell=args.keys or suite.keys_per_cell)
+    ev = run_eval(config, args.kv_dtypes, suite, args.reference,
+                  progress=not args.no_progress, floor_chunk=args.floor)
     result = to_json(ev, serving, args.max_regression)
     if args.out:
         _write(args.out, json.dumps(result, indent=2) + "\n")

@@ -52,3 +52,24 @@ class Filler:
             total += len(piece)
             i += 1
         return out
+
+
+def strided_windows(tokenizer: Tokenizer, context: int, count: int
+                    ) -> list[tuple[list[int], int]]:
+    """Sliding-window evaluation (as Hugging Face's strided perplexity): the corpus's
+    predictable tokens (all but the first) cut into ``count`` disjoint, consecutive
+    segments of nearly equal length that together cover them; per segment, the window of at
+    most ``context`` tokens that ends with it, and how many of its last tokens are scored.
+    Every scored token thus sees up to ``context - scored`` tokens of context before it."""
+    ids = tokenizer.hf.encode(corpus_text(), add_special_tokens=False)
+    targets = len(ids) - 1
+    if not 0 < count <= targets:
+        raise ValueError(f"cannot cut {targets} predictable tokens into {count} windows")
+    bounds = [1 + round(i * targets / count) for i in range(count + 1)]
+    out = []
+    for start, end in zip(bounds, bounds[1:]):
+        if end - start >= context:
+            raise ValueError(f"{end - start}-token segments leave no context in a "
+                             f"{context}-token window: use more windows")
+        out.append((ids[max(0, end - context):end], end - start))
+    return out

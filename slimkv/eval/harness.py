@@ -14,7 +14,7 @@ from slimkv.eval import corpus
 from slimkv.eval.perplexity import TokenStats, next_token_logprobs
 from slimkv.eval.prompts import MAX_NEW_TOKENS, Probe, is_match
 from slimkv.eval.recall import conversation_probes, document_probes
-from slimkv.eval.retrieval import passkey_probes
+from slimkv.eval.retrieval import passkey_probes, placed_passkey_probes
 from slimkv.llm import LLM
 from slimkv.model_io.tokenizer import Tokenizer
 from slimkv.engine.sampling import SamplingParams
@@ -29,12 +29,16 @@ _STEP_TOKENS = 2048
 class Suite:
     name: str
     window: int                          # perplexity window, tokens
-    num_windows: int | None              # None: every window of the corpus
+    num_windows: int | None              # None: every window of the corpus (else the first)
     passkey_contexts: tuple[int, ...]
     depths: tuple[float, ...]
     document_contexts: tuple[int, ...]
     conversation_contexts: tuple[int, ...]
     turns: int
+    strided_windows: int | None = None   # sliding windows (corpus.strided_windows); None: disjoint
+    keys_per_cell: int = 1                # passkey probes per (context, placement) cell
+    placements: tuple[str, ...] = ()      # token placements of the passkey, before the depths
+    floor_chunk: int | None = None        # the reference again, prefilled in chunks of this
 
     @property
     def max_context(self) -> int:
@@ -43,12 +47,23 @@ class Suite:
 
     def probes(self, tokenizer: Tokenizer) -> list[Probe]:
         filler = corpus.Filler(tokenizer)
-        probes = passkey_probes(tokenizer, list(self.passkey_contexts), list(self.depths))
+        if self.placements or self.keys_per_cell > 1:
+            probes = placed_passkey_probes(tokenizer, list(self.passkey_contexts),
+                                           [*self.placements, *self.depths], self.keys_per_cell)
+        else:
+            probes = passkey_probes(tokenizer, list(self.passkey_contexts), list(self.depths))
         for i, context in enumerate(self.document_contexts):
             probes += document_probes(tokenizer, filler, context, seed=i)
         for i, context in enumerate(self.conversation_contexts):
             probes += conversation_probes(tokenizer, filler, context, self.turns, seed=100 + i)
         return probes
+
+    def windows(self, tokenizer: Tokenizer) -> list[tuple[list[int], int]]:
+        """Corpus windows and how many of their last tokens each scores."""
+        if self.strided_windows:       # num_windows: only the first ones (small test runs)
+            out = corpus.strided_windows(tokenizer, self.window, self.strided_windows)
+            return out[:self.num_windows]
+        return [(w, len(w) - 1) for w in corpus.windows(tokenizer, self.window, self.num_windows)]
 
 
 # Documents stop at 6K: from a 7K document the float32 reference itself recalls none of the
@@ -57,6 +72,14 @@ SUITES = {
     "quick": Suite("quick", 1024, 2, (1024,), (0.0, 0.5, 1.0), (1024,), (1024,), 3),
     "full": Suite("full", 1024, None, (1024, 2048, 4096, 7168), (0.0, 0.25, 0.5, 0.75, 1.0),
                   (2048, 4096, 6144), (4096,), 6),
+    # Issue 46: 200 sliding 1,024-token windows scoring disjoint ~104-token segments (paired
+    # bootstrap intervals), 10 keys per passkey cell with needles inside KV blocks 0 and 1
+    # and across block edges (McNemar), and the floor: the reference prefilled 64 at a time.
+    # Depth 0% is block0 (the document opens the prompt). Sized for ~3 min per format in
+    # bf16 on 2 cores (docs/accuracy.md).
+    "stats": Suite("stats", 1024, None, (1024,), (0.25, 0.5, 0.75, 1.0), (), (), 0,
+                   strided_windows=200, keys_per_cell=10,
+                   placements=("block0", "block1", "edge16", "edge_mid"), floor_chunk=64),
 }
 
 
@@ -66,6 +89,7 @@ class DtypeRun:
 
     dtype: str
     stats: TokenStats = field(default_factory=TokenStats)
+    windows: list[TokenStats] = field(default_factory=list)   # per corpus window
     hits: list[bool] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
 
@@ -83,45 +107,72 @@ class EvalRun:
     reference: DtypeRun
     runs: list[DtypeRun]
 
+    @property
+    def floor(self) -> DtypeRun | None:
+        """The reference dtype's second run with another prefill chunking, if any."""
+        prefix = self.reference.dtype + "@"
+        return next((run for run in self.runs if run.dtype.startswith(prefix)), None)
+
 
 def eval_config(config: Config, dtype: str, max_context: int) -> Config:
     """``config`` with ``dtype`` for K and V and a pool of 1.5 times the longest context (a
     small pool per dtype, since every dtype's engine stays alive for the run). ``dtype`` may
     name a key scale layout too, ``int4:per_channel_block``; without one the config's
-    ``kv_cache.k_scale`` applies."""
+    ``kv_cache.k_scale`` applies. ``dtype@chunk=N`` prefills (and scores) N tokens a step
+    instead: the same dtype with another chunking, whose distance from the plain run is the
+    floor of rounding noise (in bf16 activations, not zero)."""
+    dtype, _, chunking = dtype.partition("@")
     blocks = math.ceil(1.5 * max_context / config.kv_cache.block_size)
     dtype, _, k_scale = dtype.partition(":")
     config = config.replace("kv_cache", dtype=dtype, k_dtype=None, v_dtype=None,
                             layer_dtypes=None, num_blocks=blocks,
                             k_scale=k_scale or config.kv_cache.k_scale)
     budget = max(config.scheduler.max_num_batched_tokens, _STEP_TOKENS)
+    if chunking:
+        name, _, value = chunking.partition("=")
+        if name != "chunk" or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"expected DTYPE@chunk=N, got {dtype}@{chunking}")
+        budget = int(value)
     return config.replace("scheduler", max_num_batched_tokens=budget)
 
 
 def run_eval(config: Config, dtypes: list[str], suite: Suite, reference: str = "float32",
-             progress: bool = True) -> EvalRun:
+             progress: bool = True, floor_chunk: int | None = None) -> EvalRun:
     """Evaluate ``reference`` and every dtype of ``dtypes`` (each its own engine, so a
-    dtype equal to the reference is a genuine second run)."""
+    dtype equal to the reference is a genuine second run). With a floor chunk (default the
+    suite's; 0: none), ``reference@chunk=N`` runs first after the reference."""
+    chunk = suite.floor_chunk if floor_chunk is None else floor_chunk
+    floor = f"{reference}@chunk={chunk}"
+    if chunk and floor not in dtypes:
+        dtypes = [floor, *dtypes]
     llms = [LLM(eval_config(config, dtype, suite.max_context)) for dtype in [reference, *dtypes]]
     runs = [DtypeRun(dtype) for dtype in [reference, *dtypes]]
     tokenizer = llms[0].tokenizer
-    windows = corpus.windows(tokenizer, suite.window, suite.num_windows)
-    for window in tqdm(windows, desc="perplexity windows", disable=not progress):
-        _score_window(llms, runs, window)
+    windows = suite.windows(tokenizer)
+    for window, scored in tqdm(windows, desc="perplexity windows", disable=not progress):
+        _score_window(llms, runs, window, scored)
     probes = suite.probes(tokenizer)
     for llm, run in zip(llms, runs):
         _answer(llm, run, probes, progress)
-    return EvalRun(suite, llms[0].engine.model_name, len(windows) * suite.window, probes,
-                   runs[0], runs[1:])
+    # Tokens of the corpus the windows cover (disjoint windows: their lengths).
+    covered = sum(scored for _, scored in windows) + (1 if suite.strided_windows else len(windows))
+    return EvalRun(suite, llms[0].engine.model_name, covered, probes, runs[0], runs[1:])
 
 
-def _score_window(llms: list[LLM], runs: list[DtypeRun], window: list[int]) -> None:
-    """One window through every engine; only this window's logits are ever held."""
-    reference = next_token_logprobs(llms[0].engine.score(window))
-    targets = torch.tensor(window[1:])
+def _score_window(llms: list[LLM], runs: list[DtypeRun], window: list[int], scored: int) -> None:
+    """One window through every engine, its last ``scored`` tokens predicted; only this
+    window's logits are ever held."""
+    reference = next_token_logprobs(llms[0].engine.score(window, last=scored + 1))
+    targets = torch.tensor(window[len(window) - scored:])
     for llm, run in zip(llms, runs):
-        logprobs = reference if run is runs[0] else next_token_logprobs(llm.engine.score(window))
-        run.stats.add(logprobs, targets, reference)
+        logprobs = (reference if run is runs[0]
+                    else next_token_logprobs(llm.engine.score(window, last=scored + 1)))
+        stats = TokenStats()
+        stats.add(logprobs, targets, reference)
+        run.windows.append(stats)
+        total = run.stats
+        total.tokens, total.nll = total.tokens + stats.tokens, total.nll + stats.nll
+        total.kl, total.agree = total.kl + stats.kl, total.agree + stats.agree
 
 
 def _answer(llm: LLM, run: DtypeRun, probes: list[Probe], progress: bool) -> None:

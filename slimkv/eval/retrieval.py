@@ -49,3 +49,70 @@ def passkey_probes(tokenizer: Tokenizer, contexts: list[int], depths: list[float
     return [passkey_probe(tokenizer, filler, context, depth, str(rng.randint(10000, 99999)),
                           start=97 * i)
             for i, context in enumerate(contexts) for depth in depths]
+
+
+# Passkey placed by token position, for the stats suite: the document is the system message,
+# so that it starts at token 3 (after "<|im_start|>system\n") and a short needle fits inside
+# KV block 0. Token placements name where the needle's key digits sit relative to the
+# 16-token blocks of the KV cache (kv_cache.block_size).
+_SYSTEM_QUESTION = "What is the pass key hidden in the text? Answer with the number."
+BLOCK = 16
+TOKEN_PLACEMENTS = ("block0", "block1", "edge16", "edge_mid")
+
+
+def _key_span(tokenizer: Tokenizer, needle: list[int], key: str) -> tuple[int, int]:
+    """The ``[start, end)`` tokens of ``needle`` that spell ``key``."""
+    for start in range(len(needle)):
+        for end in range(start + 1, len(needle) + 1):
+            if tokenizer.hf.decode(needle[start:end]) == key:
+                return start, end
+    raise ValueError(f"{key!r} is not spelled by the needle's tokens")
+
+
+def _needle_offset(placement: str | float, head: int, doc: list[int], needle: int,
+                   digits: tuple[int, int], pieces: list[list[int]]) -> int:
+    """How many document tokens come before the needle so that it sits at ``placement``:
+    a token placement (``TOKEN_PLACEMENTS``) or a depth fraction (nearest sentence end)."""
+    if isinstance(placement, float):
+        return len(flat(pieces[:_cut(pieces, placement)]))
+    if placement == "block0":                     # the whole needle inside tokens 0-15
+        start = head
+    elif placement == "block1":                   # the whole needle inside tokens 16-31
+        start = BLOCK + 2
+    else:                                         # the key digits straddle a block edge
+        edge = BLOCK if placement == "edge16" else BLOCK * round((head + len(doc) / 2) / BLOCK)
+        start = edge - (digits[0] + digits[1]) // 2
+    if placement not in TOKEN_PLACEMENTS or start < head:
+        raise ValueError(f"cannot place a needle at {placement!r}")
+    return start - head
+
+
+def placed_passkey_probe(tokenizer: Tokenizer, filler: Filler, context: int,
+                         placement: str | float, key: str, start: int = 0) -> Probe:
+    """A prompt of at most ``context - MAX_NEW_TOKENS`` tokens whose document (the system
+    message) holds " The pass key is KEY." at ``placement``."""
+    head, tail = frame(tokenizer, [{"role": "system", "content": SLOT},
+                                   {"role": "user", "content": _SYSTEM_QUESTION}], _PRIMER)
+    needle = encode(tokenizer, f" The pass key is {key}.")
+    digits = _key_span(tokenizer, needle, key)
+    budget = context - MAX_NEW_TOKENS - len(head) - len(tail) - len(needle)
+    pieces = filler.take(budget, start)
+    doc = flat(pieces)
+    k = _needle_offset(placement, len(head), doc, len(needle), digits, pieces)
+    ids = head + doc[:k] + needle + doc[k:] + tail
+    label = placement if isinstance(placement, str) else f"{placement:.0%}"
+    return Probe("passkey", context, label, ids, key,
+                 (len(head) + k, len(head) + k + len(needle)), (len(head), len(ids) - len(tail)))
+
+
+def placed_passkey_probes(tokenizer: Tokenizer, contexts: list[int],
+                          placements: list[str | float], keys: int, seed: int = 0
+                          ) -> list[Probe]:
+    """``keys`` probes per (context, placement) cell, each with its own 5-digit key (from
+    ``seed``) and its own filler text; cells in order, keys within a cell consecutive."""
+    rng = random.Random(seed)
+    filler = Filler(tokenizer)
+    return [placed_passkey_probe(tokenizer, filler, context, placement,
+                                 str(rng.randint(10000, 99999)), start=97 * i + 31 * j)
+            for i, context in enumerate(contexts) for placement in placements
+            for j in range(keys)]
