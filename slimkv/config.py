@@ -45,7 +45,7 @@ def _check_choice(value: Any, choices: tuple[str, ...], key: str, *,
                   optional: bool = False) -> None:
     if not (optional and value is None):
         _check(value in choices, key,
-               f"unknown value {value!r}; choose one of {', '.join(choices)}")
+               f"unknown value {value!r}; choose one of {', '.join(map(str, choices))}")
 
 
 def _check_int(value: Any, key: str, low: int = 1, *, optional: bool = False) -> None:
@@ -93,6 +93,25 @@ class ModelConfig:
 
 
 @dataclass(slots=True)
+class Int4Config:
+    """``kv_cache.int4``: options of the int4 format (issue 46, docs/kv-formats.md), for the
+    layers whose K (``rotate_k``) or V (``rotate_v``) is int4; other layers ignore them.
+    ``group_size``: channels per scale and zero of per-token int4 (values; keys with
+    ``k_scale: per_token``). ``rotate_k``/``rotate_v``: an orthonormal Hadamard on K and Q
+    after RoPE / on V and the attention output, which spreads channel outliers."""
+
+    group_size: int = 32
+    rotate_k: bool = False
+    rotate_v: bool = False
+
+    def __post_init__(self) -> None:
+        _check_choice(self.group_size, (16, 32, 64), "kv_cache.int4.group_size")
+        for key in ("rotate_k", "rotate_v"):
+            _check(isinstance(getattr(self, key), bool), f"kv_cache.int4.{key}",
+                   "must be true or false")
+
+
+@dataclass(slots=True)
 class KVCacheConfig:
     """The paged KV pool: its size, element formats and eviction policy."""
 
@@ -114,8 +133,12 @@ class KVCacheConfig:
     layer_dtypes: dict[str, list[int]] | None = None
     offload: dict[str, Any] | None = None  # the tier below the pool: kv/offload/config.py
     session_ttl_s: float = 600.0
+    int4: Int4Config = field(default_factory=Int4Config)
 
     def __post_init__(self) -> None:
+        if isinstance(self.int4, dict):  # from YAML
+            _reject_unknown(self.int4, Int4Config.__slots__, "kv_cache.int4.")
+            self.int4 = Int4Config(**self.int4)
         _check_choice(self.dtype, KV_DTYPES, "kv_cache.dtype")
         for key in ("k_dtype", "v_dtype"):
             _check_choice(getattr(self, key), KV_DTYPES, f"kv_cache.{key}", optional=True)
