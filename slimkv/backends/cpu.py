@@ -19,6 +19,9 @@ concatenated with them.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -63,11 +66,14 @@ class CpuBackend(SdpaBackend):
         self.blocks = kv_blocks_kernel() if int8 else None
         if self.blocks is not None and cache.block_scaled and cache.writer is None:
             cache.writer = CpuPoolWriter(cache, self.blocks)
-        self._hadamard = hadamard_kernel()
+
+    @functools.cached_property
+    def _hadamard(self) -> Callable[[Tensor], Tensor] | None:
+        return hadamard_kernel()  # built on first use: only kv_cache.int4's rotations call it
 
     def rotate(self, x: Tensor) -> Tensor:
         """In C (decode_step.c's ``hadamard_rows``): the one-call step's very sums."""
-        if self._hadamard is None or type(x) is not torch.Tensor:
+        if type(x) is not torch.Tensor or self._hadamard is None:
             return super().rotate(x)
         return self._hadamard(x).to(x.dtype)
 
