@@ -26,7 +26,7 @@ K_SCALES = ("per_token", "per_channel_block")
 DEFAULT_K_SCALE = "per_channel_block"
 # kv_cache.int4.group_size: channels per scale and zero of per-token int4 (head_dim 64:
 # 5.0 bits per element at 32, 4.5 at 64); the one default every layer of the code uses.
-INT4_GROUP_SIZES, DEFAULT_INT4_GROUP_SIZE = (16, 32, 64), 32
+INT4_GROUP_SIZES, INT4_GROUP = (16, 32, 64), 32
 # Keys that were removed, with what to do instead: an old config fails naming them.
 REMOVED_KEYS = {"kv_cache.v_scale": "values are always scaled per token-head (int4: per group "
                                     "of 32); the key never changed anything, delete it"}
@@ -103,7 +103,7 @@ class Int4Config:
     ``k_scale: per_token``). ``rotate_k``/``rotate_v``: an orthonormal Hadamard on K and Q
     after RoPE / on V and the attention output, which spreads channel outliers."""
 
-    group_size: int = DEFAULT_INT4_GROUP_SIZE
+    group_size: int = INT4_GROUP
     rotate_k: bool = False
     rotate_v: bool = False
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from slimkv.config import DEFAULT_INT4_GROUP_SIZE, DEFAULT_K_SCALE, ConfigError
+from slimkv.config import DEFAULT_K_SCALE, INT4_GROUP, ConfigError
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
 from slimkv.engine.memory import activation_peak, weight_bytes
@@ -143,7 +143,7 @@ class Plan:
 def plan(model: str, memory: int, *, context: int = 32768, sessions: int = 48,
          weight_dtype: str = "bf16", block_size: int = 16, batch_tokens: int = 512,
          kv_dtypes: tuple[str, ...] = PLAN_KV_DTYPES,
-         k_scale: str = DEFAULT_K_SCALE, int4_group_size: int = DEFAULT_INT4_GROUP_SIZE) -> Plan:
+         k_scale: str = DEFAULT_K_SCALE, int4_group_size: int = INT4_GROUP) -> Plan:
     """Plan ``model`` on a device with ``memory`` bytes for the engine (see module doc);
     ``k_scale`` and ``int4_group_size`` (``kv_cache.int4.group_size``) choose the layout
     whose real bytes each row counts."""
@@ -172,7 +172,7 @@ def plan(model: str, memory: int, *, context: int = 32768, sessions: int = 48,
 
 def _row(args: ModelArgs, kv: str, budget: int, block_size: int, context: int,
          sessions: int, k_scale: str, dtype: torch.dtype,
-         int4_group_size: int = DEFAULT_INT4_GROUP_SIZE) -> KVRow:
+         int4_group_size: int = INT4_GROUP) -> KVRow:
     """One dtype's capacity; a staged layout sets aside a staging block per session (+1
     for scoring), as the engine does."""
     shape = dict(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,

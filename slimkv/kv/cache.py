@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slimkv.config import DEFAULT_INT4_GROUP_SIZE
+from slimkv.config import INT4_GROUP
 from slimkv.kv.layers import LayerDtypes, layer_codecs, side_codec, side_codecs
 from slimkv.kv.quant import AUX_DTYPE, KVCodec, QuantizedKV
 from slimkv.stats import cdiv
@@ -51,8 +51,7 @@ class PagedKVCache:
 
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, k_dtype: str, v_dtype: str, k_scale: str, device: torch.device,
-                 layer_dtypes: LayerDtypes | None = None,
-                 int4_group_size: int = DEFAULT_INT4_GROUP_SIZE) -> None:
+                 layer_dtypes: LayerDtypes | None = None, int4_group_size: int = INT4_GROUP) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -99,8 +98,7 @@ class PagedKVCache:
     @staticmethod
     def block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, k_dtype: str,
                     v_dtype: str, k_scale: str, block_size: int,
-                    layer_dtypes: LayerDtypes | None = None,
-                    int4_group_size: int = DEFAULT_INT4_GROUP_SIZE) -> int:
+                    layer_dtypes: LayerDtypes | None = None, int4_group_size: int = INT4_GROUP) -> int:
         """Exact bytes of one block across all layers, K and V, scales and zeros included:
         the sum of every layer's own figure."""
         codecs = layer_codecs(num_layers, head_dim, k_dtype, v_dtype, k_scale, layer_dtypes,
