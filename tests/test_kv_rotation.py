@@ -189,3 +189,28 @@ def test_rotated_int4_is_closer_to_float_kv(window: list[int]) -> None:
 
     assert kl(rotate_k=True) < kl()
     assert kl(rotate_k=True, rotate_v=True) < kl()
+
+
+def test_eval_dtype_strings_take_the_int4_options() -> None:
+    from slimkv.eval.harness import eval_config
+
+    kv = eval_config(Config(), "int4:per_token+g64+rotate_k+rotate_v", 1024).kv_cache
+    assert (kv.dtype, kv.k_scale) == ("int4", "per_token")
+    assert (kv.int4.group_size, kv.int4.rotate_k, kv.int4.rotate_v) == (64, True, True)
+    assert eval_config(Config(), "int4", 1024).kv_cache.int4 == Config().kv_cache.int4
+    with pytest.raises(ConfigError, match=r"kv_cache\.int4\.rotate_q: unknown key"):
+        eval_config(Config(), "int4+rotate_q", 1024)
+
+
+def test_bits_per_element_counts_the_real_layout() -> None:
+    from slimkv.planner import bits_per_element
+
+    shape = dict(num_layers=30, num_kv_heads=3, head_dim=64, k_dtype="int4", v_dtype="int4",
+                 block_size=16)
+    assert bits_per_element(1024, **shape, k_scale="per_token") == 5.0
+    assert bits_per_element(1024, **shape, k_scale="per_token", int4_group_size=64) == 4.5
+    assert bits_per_element(1024, **shape, k_scale="per_channel_block") == 5.5  # K 6, V 5
+    # a partial last block counts whole
+    assert bits_per_element(1000, **shape, k_scale="per_token") == 5.0 * 1008 / 1000
+    assert bits_per_element(64, **{**shape, "k_dtype": "bfloat16", "v_dtype": "bfloat16"},
+                            k_scale="per_token") == 16.0
