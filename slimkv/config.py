@@ -24,6 +24,9 @@ LAYER_KV_DTYPES = tuple(d for d in KV_DTYPES if d != "auto")
 K_SCALES = ("per_token", "per_channel_block")
 # Chosen by the eval harness: see docs/kv-formats.md.
 DEFAULT_K_SCALE = "per_channel_block"
+# kv_cache.int4.group_size: channels per scale and zero of per-token int4 (head_dim 64:
+# 5.0 bits per element at 32, 4.5 at 64); the one default every layer of the code uses.
+INT4_GROUP_SIZES, INT4_GROUP = (16, 32, 64), 32
 # Keys that were removed, with what to do instead: an old config fails naming them.
 REMOVED_KEYS = {"kv_cache.v_scale": "values are always scaled per token-head (int4: per group "
                                     "of 32); the key never changed anything, delete it"}
@@ -45,7 +48,7 @@ def _check_choice(value: Any, choices: tuple[str, ...], key: str, *,
                   optional: bool = False) -> None:
     if not (optional and value is None):
         _check(value in choices, key,
-               f"unknown value {value!r}; choose one of {', '.join(choices)}")
+               f"unknown value {value!r}; choose one of {', '.join(map(str, choices))}")
 
 
 def _check_int(value: Any, key: str, low: int = 1, *, optional: bool = False) -> None:
@@ -93,6 +96,25 @@ class ModelConfig:
 
 
 @dataclass(slots=True)
+class Int4Config:
+    """``kv_cache.int4``: options of the int4 format (issue 46, docs/kv-formats.md), for the
+    layers whose K (``rotate_k``) or V (``rotate_v``) is int4; other layers ignore them.
+    ``group_size``: channels per scale and zero of per-token int4 (values; keys with
+    ``k_scale: per_token``). ``rotate_k``/``rotate_v``: an orthonormal Hadamard on K and Q
+    after RoPE / on V and the attention output, which spreads channel outliers."""
+
+    group_size: int = INT4_GROUP
+    rotate_k: bool = False
+    rotate_v: bool = False
+
+    def __post_init__(self) -> None:
+        _check_choice(self.group_size, INT4_GROUP_SIZES, "kv_cache.int4.group_size")
+        for key in ("rotate_k", "rotate_v"):
+            _check(isinstance(getattr(self, key), bool), f"kv_cache.int4.{key}",
+                   "must be true or false")
+
+
+@dataclass(slots=True)
 class KVCacheConfig:
     """The paged KV pool: its size, element formats and eviction policy."""
 
@@ -114,8 +136,12 @@ class KVCacheConfig:
     layer_dtypes: dict[str, list[int]] | None = None
     offload: dict[str, Any] | None = None  # the tier below the pool: kv/offload/config.py
     session_ttl_s: float = 600.0
+    int4: Int4Config = field(default_factory=Int4Config)
 
     def __post_init__(self) -> None:
+        if isinstance(self.int4, dict):  # from YAML
+            _reject_unknown(self.int4, Int4Config.__slots__, "kv_cache.int4.")
+            self.int4 = Int4Config(**self.int4)
         _check_choice(self.dtype, KV_DTYPES, "kv_cache.dtype")
         for key in ("k_dtype", "v_dtype"):
             _check_choice(getattr(self, key), KV_DTYPES, f"kv_cache.{key}", optional=True)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from slimkv.config import DEFAULT_K_SCALE, ConfigError
+from slimkv.config import DEFAULT_K_SCALE, INT4_GROUP, ConfigError
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
 from slimkv.engine.memory import activation_peak, weight_bytes
@@ -99,10 +99,24 @@ def model_weight_bytes(args: ModelArgs, dtype: torch.dtype, bits: int | None = N
                        for name, t in tensors))
 
 
+def bits_per_element(context: int, **shape: Any) -> float:
+    """Stored bits per K/V element of one sequence of ``context`` tokens in the layout
+    ``shape`` (:meth:`PagedKVCache.block_bytes`'s arguments, ``int4_group_size`` included):
+    its whole blocks, i.e. the data, the per-token scales and zeros and the per-block ones
+    amortised over the block's tokens, and the last block's unused tail; K and V averaged.
+    E.g. int4 at head_dim 64, blocks of 16 and a context of whole blocks: per-token groups
+    of 32 5.0, of 64 4.5; per-channel-block keys 6.0 (4 + a float16 scale and zero per
+    channel over 16 tokens), so with group-32 values 5.5."""
+    blocks = cdiv(context, shape["block_size"])
+    elements = 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * context
+    return 8 * blocks * PagedKVCache.block_bytes(**shape) / elements
+
+
 @dataclass(slots=True)
 class KVRow:
     kv_dtype: str
     bytes_per_token: int
+    bits_per_element: float        # at ``context``: see :func:`bits_per_element`
     num_blocks: int
     max_sessions: int              # sessions of ``context`` tokens that fit
     context_at_sessions: int       # tokens each of ``sessions`` sessions can hold
@@ -129,8 +143,10 @@ class Plan:
 def plan(model: str, memory: int, *, context: int = 32768, sessions: int = 48,
          weight_dtype: str = "bf16", block_size: int = 16, batch_tokens: int = 512,
          kv_dtypes: tuple[str, ...] = PLAN_KV_DTYPES,
-         k_scale: str = DEFAULT_K_SCALE) -> Plan:
-    """Plan ``model`` on a device with ``memory`` bytes for the engine (see module doc)."""
+         k_scale: str = DEFAULT_K_SCALE, int4_group_size: int = INT4_GROUP) -> Plan:
+    """Plan ``model`` on a device with ``memory`` bytes for the engine (see module doc);
+    ``k_scale`` and ``int4_group_size`` (``kv_cache.int4.group_size``) choose the layout
+    whose real bytes each row counts."""
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"unknown weight dtype {weight_dtype!r}; choose one of {', '.join(WEIGHT_DTYPES)}")
     if context <= 0 or sessions <= 0:
@@ -148,23 +164,26 @@ def plan(model: str, memory: int, *, context: int = 32768, sessions: int = 48,
         raise ValueError(f"{name} does not fit in {memory / 2**30:.1f} GiB: its {weight_dtype} "
                          f"weights take {weights / 2**30:.2f} GiB and the activation reserve "
                          f"{reserve / 2**30:.2f} GiB, leaving nothing for the KV cache")
-    rows = [_row(args, kv, budget, block_size, context, sessions, k_scale, dtype)
-            for kv in kv_dtypes]
+    rows = [_row(args, kv, budget, block_size, context, sessions, k_scale, dtype,
+                 int4_group_size) for kv in kv_dtypes]
     return Plan(name, memory, WEIGHT_DTYPES[weight_dtype], weights, reserve, budget, block_size,
                 context, sessions, args.max_position_embeddings, rows)
 
 
 def _row(args: ModelArgs, kv: str, budget: int, block_size: int, context: int,
-         sessions: int, k_scale: str, dtype: torch.dtype) -> KVRow:
+         sessions: int, k_scale: str, dtype: torch.dtype,
+         int4_group_size: int = INT4_GROUP) -> KVRow:
     """One dtype's capacity; a staged layout sets aside a staging block per session (+1
     for scoring), as the engine does."""
     shape = dict(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
-                 head_dim=args.head_dim, k_dtype=kv, v_dtype=kv, k_scale=k_scale)
+                 head_dim=args.head_dim, k_dtype=kv, v_dtype=kv, k_scale=k_scale,
+                 int4_group_size=int4_group_size)
     staged = Staging.needed(kv, kv, args.head_dim, k_scale)
     staging = Staging.bytes(args.num_layers, args.num_kv_heads, args.head_dim, block_size,
                             sessions + 1, dtype) if staged else 0
     blocks = PagedKVCache.num_blocks_for_budget(budget, staging, **shape, block_size=block_size)
-    return KVRow(kv, PagedKVCache.bytes_per_token(**shape, block_size=block_size), blocks,
+    return KVRow(kv, PagedKVCache.bytes_per_token(**shape, block_size=block_size),
+                 bits_per_element(context, **shape, block_size=block_size), blocks,
                  max_sessions=blocks // cdiv(context, block_size),
                  context_at_sessions=blocks // sessions * block_size)
 
@@ -174,11 +193,13 @@ def format_plan(p: Plan, selected: str | None = None) -> str:
     lines = [f"model {p.model}: {p.weight_dtype} weights {p.weights / gib:.2f} GiB, activation "
              f"reserve {p.activation_reserve / 2**20:.0f} MiB, KV budget {p.kv_budget / gib:.2f} "
              f"GiB of {p.memory / gib:.2f} GiB (block {p.block_size} tokens)",
-             f"{'kv dtype':<10} {'KiB/token':>10} {'blocks':>9} {f'sessions@{p.context}':>16} "
+             f"{'kv dtype':<10} {'KiB/token':>10} {'bits/elem':>9} {'blocks':>9} "
+             f"{f'sessions@{p.context}':>16} "
              f"{f'context@{p.sessions} sessions':>22}"]
     for r in p.rows:
         mark = " *" if selected and r.kv_dtype.startswith(selected) else ""
-        lines.append(f"{r.kv_dtype:<10} {r.bytes_per_token / 1024:>10.2f} {r.num_blocks:>9} "
+        lines.append(f"{r.kv_dtype:<10} {r.bytes_per_token / 1024:>10.2f} "
+                     f"{r.bits_per_element:>9.2f} {r.num_blocks:>9} "
                      f"{r.max_sessions:>16} {r.context_at_sessions:>22}{mark}")
     if any(r.context_at_sessions > p.max_position_embeddings for r in p.rows):
         lines.append(f"(the model's own limit is {p.max_position_embeddings} tokens per session)")

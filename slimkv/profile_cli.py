@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from slimkv.cli import add_config_args, config_from_args, print_json
+from slimkv.config import DEFAULT_K_SCALE, INT4_GROUP, INT4_GROUP_SIZES, K_SCALES
 from slimkv.kv.cache import PagedKVCache
 from slimkv.engine.memory import LiveBytes
 from slimkv.engine.sampling import SamplingParams
@@ -39,6 +40,10 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-dtype", default="int8", help="row to highlight")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--batch-tokens", type=int, default=512, help="max_num_batched_tokens")
+    p.add_argument("--k-scale", default=DEFAULT_K_SCALE, choices=K_SCALES,
+                   help="kv_cache.k_scale: the key layout the rows count")
+    p.add_argument("--int4-group-size", type=int, default=INT4_GROUP, choices=INT4_GROUP_SIZES,
+                   help="kv_cache.int4.group_size: per-token int4 channels per scale")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 
@@ -85,7 +90,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     memory = device_memory() if args.memory == "device" else parse_bytes(args.memory)
     result = plan(args.model, memory, context=args.context,
                   sessions=args.sessions, weight_dtype=args.weight_dtype,
-                  block_size=args.block_size, batch_tokens=args.batch_tokens)
+                  block_size=args.block_size, batch_tokens=args.batch_tokens,
+                  k_scale=args.k_scale, int4_group_size=args.int4_group_size)
     if args.json:
         print_json(result.to_dict())
     else:

@@ -25,18 +25,19 @@ FORMATS = [("float32", "float32", "per_token"), ("bfloat16", "bfloat16", "per_to
 
 def _decode_step(k_dtype: str, v_dtype: str, k_scale: str, head_dim: int, lens: list[int],
                  model_dtype: torch.dtype, layer: int = 0, layer_dtypes: dict | None = None,
-                 heads: tuple[int, int] = (NUM_HEADS, NUM_KV_HEADS)
+                 heads: tuple[int, int] = (NUM_HEADS, NUM_KV_HEADS), int4_group_size: int = 32
                  ) -> tuple[PagedKVCache, Staging | None, tuple, AttentionMetadata]:
     """A cache (and its staging, for per-block scales) holding ``lens[i] - 1`` tokens of each
     sequence in ``layer`` (block tables shuffled and padded), and the step that decodes one
-    more token for each. ``heads``: (query heads, KV heads)."""
+    more token for each. ``heads``: (query heads, KV heads); ``int4_group_size``:
+    kv_cache.int4.group_size."""
     num_heads, num_kv_heads = heads
     gen = torch.Generator().manual_seed(head_dim + len(lens))
     num_blocks = sum(-(-n // BLOCK_SIZE) for n in lens) + 1
     cache = PagedKVCache(num_layers=layer + 1, num_blocks=num_blocks, block_size=BLOCK_SIZE,
                          num_kv_heads=num_kv_heads, head_dim=head_dim, k_dtype=k_dtype,
                          v_dtype=v_dtype, device=torch.device("cpu"), k_scale=k_scale,
-                         layer_dtypes=layer_dtypes)
+                         layer_dtypes=layer_dtypes, int4_group_size=int4_group_size)
     staging = Staging(cache, len(lens), model_dtype) if cache.block_scaled else None
     order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     tables = []
@@ -92,6 +93,44 @@ def test_fused_decode_equals_sdpa_and_reference(k_dtype: str, v_dtype: str, k_sc
                                           torch.float32, staging)
     torch.testing.assert_close(fused, sdpa, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.usefixtures("fused_kernel")
+@pytest.mark.parametrize("group_size", [16, 64])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("k_dtype, v_dtype, k_scale", [f for f in FORMATS if "int4" in f[:2]])
+def test_fused_decode_int4_group_sizes(k_dtype: str, v_dtype: str, k_scale: str, head_dim: int,
+                                       group_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kv_cache.int4.group_size: per-token int4 in groups of 16 or 64 (one scale and zero
+    per token-head at head_dim 64), fused and portable kernels against SDPA and the
+    reference, at the bounds of the group-32 test above."""
+    lens = [1, 16, 17, 40, 100]
+    cache, staging, step, meta = _decode_step(k_dtype, v_dtype, k_scale, head_dim, lens,
+                                              torch.float32, int4_group_size=group_size)
+    per_token = [c for c in cache.all_codecs() if c.aux_widths.get("scale")]
+    assert per_token and all(c.aux_widths["scale"] == head_dim // group_size for c in per_token)
+    state = {name: t.clone() for name, t in cache.tensors().items()}
+    staged = None if staging is None else staging.buffer.clone()
+
+    def rewind() -> None:  # the step's write undone for the next run
+        for name, t in cache.tensors().items():
+            t.copy_(state[name])
+        if staging is not None:
+            staging.buffer.copy_(staged)
+
+    fused, attn = _decode(cache, staging, step, meta, torch.float32, kernel=True)
+    assert attn.path_counts == {"fused_decode": 1}
+    rewind()
+    sdpa, _ = _decode(cache, staging, step, meta, torch.float32, kernel=False)
+    rewind()
+    monkeypatch.setattr(kernels._KERNEL, "_loaded",
+                        kernels.DecodeKernel(build.load(kernels.SOURCE), "paged_decode_portable"))
+    portable, _ = _decode(cache, staging, step, meta, torch.float32, kernel=True)
+    reference = reference_paged_attention(cache, 0, step[0], meta, head_dim ** -0.5,
+                                          torch.float32, staging)
+    torch.testing.assert_close(fused, sdpa, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(portable, reference, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.usefixtures("fused_kernel")

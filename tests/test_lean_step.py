@@ -2,7 +2,8 @@
 same greedy tokens and bit-identical logits at every step, for one and several sequences,
 across block boundaries (filled blocks go to the pool), staged (int8) and unstaged KV (`auto`:
 the model dtype, bfloat16 or float32 by CPU; a pool in another float dtype takes the per-op
-path), with both activation modes."""
+path), with both activation modes; and int4 KV with kv_cache.int4's rotations of K and V
+(decode_step.c's hadamard_rows, called by both paths)."""
 
 from __future__ import annotations
 
@@ -43,8 +44,13 @@ def _run(engine, one_call: bool, num_seqs: int, new_tokens: int):
     return [s.token_ids for s in seqs], logits, calls[0]
 
 
-@pytest.fixture(scope="module", params=["int8", "auto"])
+@pytest.fixture(scope="module", params=["int8", "auto", "int4-rotated"])
 def engine(request):
+    if request.param == "int4-rotated":
+        config = Config.load().replace("kv_cache", int4={"rotate_k": True, "rotate_v": True})
+        engine = engine_for(config, "int4", 6, 128)
+        assert engine.runner.attention.rotate == [(True, True)] * engine.model_args.num_layers
+        return engine
     return engine_for(Config.load(), request.param, 6, 128)
 
 

@@ -64,7 +64,13 @@ def test_format_digest_separates_formats_models_and_dtypes() -> None:
               ChunkLayout(make_cache(block_size=8), MODEL, "float32"),
               ChunkLayout(make_cache(layer_dtypes={"int4": [1]}), MODEL, "float32"),
               ChunkLayout(make_cache(), b"n" * 16, "float32"),
-              ChunkLayout(make_cache(), MODEL, "bfloat16")]
+              ChunkLayout(make_cache(), MODEL, "bfloat16"),
+              # kv_cache.int4: the group size changes the scales' shape, the rotations
+              # what the same tensors hold
+              ChunkLayout(make_cache(layer_dtypes={"int4": [1]}, int4_group_size=16), MODEL,
+                          "float32"),
+              ChunkLayout(make_cache(), MODEL, "float32", (True, False)),
+              ChunkLayout(make_cache(), MODEL, "float32", (False, True))]
     h = hash_block(None, [1, 2, 3, 4])
     assert ChunkLayout(make_cache(num_blocks=7), MODEL, "float32").key(h) == base.key(h)
     digests = {base.format_digest, *(o.format_digest for o in others)}

@@ -58,15 +58,17 @@ def _sides(cache: PagedKVCache, layer: int = 0) -> list[fmt.TritonSide]:
 
 
 def _cache(formats: tuple[str, str, str], head_dim: int, lens: list[int], num_kv_heads: int,
-           staging_dtype: torch.dtype = torch.float32, seed: int = 0):
+           staging_dtype: torch.dtype = torch.float32, seed: int = 0, group_size: int = 32):
     """A cache (and staging, for per-block scales) holding ``lens[i]`` tokens of sequence i
-    in random, non-contiguous blocks (tables padded), and its decode metadata."""
+    in random, non-contiguous blocks (tables padded), and its decode metadata;
+    ``group_size``: kv_cache.int4.group_size."""
     k_dtype, v_dtype, k_scale = formats
     gen = torch.Generator().manual_seed(seed + head_dim)
     num_blocks = 2 * sum(-(-n // BS) for n in lens) + 1
     cache = PagedKVCache(num_layers=1, num_blocks=num_blocks, block_size=BS,
                          num_kv_heads=num_kv_heads, head_dim=head_dim, k_dtype=k_dtype,
-                         v_dtype=v_dtype, k_scale=k_scale, device=CPU)
+                         v_dtype=v_dtype, k_scale=k_scale, device=CPU,
+                         int4_group_size=group_size)
     staging = Staging(cache, len(lens), staging_dtype) if cache.block_scaled else None
     order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     tables = []
@@ -83,8 +85,10 @@ def _cache(formats: tuple[str, str, str], head_dim: int, lens: list[int], num_kv
 
 
 def _check_decode(formats, head_dim: int, lens: list[int], group: int, num_kv_heads: int = 1,
-                  staging_dtype: torch.dtype = torch.float32, **split) -> None:
-    cache, staging, meta, gen = _cache(formats, head_dim, lens, num_kv_heads, staging_dtype)
+                  staging_dtype: torch.dtype = torch.float32, group_size: int = 32,
+                  **split) -> None:
+    cache, staging, meta, gen = _cache(formats, head_dim, lens, num_kv_heads, staging_dtype,
+                                       group_size=group_size)
     q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen) * 2
     scale = head_dim ** -0.5
     expected = reference_paged_attention(cache, 0, q, meta, scale, torch.float32, staging)
@@ -100,6 +104,14 @@ def _check_decode(formats, head_dim: int, lens: list[int], group: int, num_kv_he
 def test_decode_equals_reference(formats, head_dim: int) -> None:
     """Every format, ragged tables; 2 blocks per split: the 100-token sequence in 4 splits."""
     _check_decode(formats, head_dim, LENS, group=4, blocks_per_split=2)
+
+
+@pytest.mark.parametrize("group_size", [16, 64])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("formats", [PER_TOKEN[3], STAGED[2], STAGED[3]], ids="-".join)
+def test_decode_int4_group_sizes(formats, head_dim: int, group_size: int) -> None:
+    """kv_cache.int4.group_size 16 and 64 (one scale and zero per token-head at 64)."""
+    _check_decode(formats, head_dim, LENS, 3, 2, group_size=group_size)
 
 
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
@@ -164,6 +176,20 @@ def test_write_tokens_equals_cache_write(formats, head_dim: int,
     gen = torch.Generator().manual_seed(head_dim)
     k = _rows(gen, 12, 4, head_dim, model_dtype)[:, 1:]  # strided: heads 1..3 of 4
     v = _rows(gen, 12, 3, head_dim, model_dtype) * 7
+    slots = torch.randperm(6 * BS, generator=gen)[:12]
+    caches[0].write(0, slots, k, v)
+    write.write_tokens(*_sides(caches[1]), k, v, slots)
+    _pools_equal(*caches)
+
+
+@pytest.mark.parametrize("group_size", [16, 64])
+def test_write_tokens_int4_group_sizes(group_size: int) -> None:
+    """Per-token int4 codes, scales and zeros in groups of 16 / 64, bit for bit."""
+    caches = [PagedKVCache(num_layers=1, num_blocks=6, block_size=BS, num_kv_heads=3,
+                           head_dim=64, k_dtype="int4", v_dtype="int4", k_scale="per_token",
+                           device=CPU, int4_group_size=group_size) for _ in range(2)]
+    gen = torch.Generator().manual_seed(group_size)
+    k, v = (_rows(gen, 12, 3, 64, torch.float32) * s for s in (1, 7))
     slots = torch.randperm(6 * BS, generator=gen)[:12]
     caches[0].write(0, slots, k, v)
     write.write_tokens(*_sides(caches[1]), k, v, slots)

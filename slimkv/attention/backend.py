@@ -9,6 +9,8 @@ precision, for a staged cache) is returned and passed on, never stored in the me
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -19,6 +21,17 @@ from slimkv.kv.staging import StagedKV, Staging
 # Per prefill chunk (by sequence index), its K/V at full precision from the start of its
 # first block: what a staged cache's write gives that layer's prefill attention.
 Staged = dict[int, StagedKV]
+
+
+@functools.cache
+def hadamard(dim: int, device: torch.device) -> Tensor:
+    """The orthonormal Sylvester Hadamard matrix ``[dim, dim]`` float32 (``dim`` a power of
+    two): symmetric, so its own inverse. Issue 46's rotations of K and V use it."""
+    if dim & (dim - 1):
+        raise ValueError(f"kv_cache.int4 rotations need a power-of-two head_dim, got {dim}")
+    # Sylvester's H[i, j] = (-1) ** popcount(i & j)
+    h = torch.tensor([[(-1.0) ** bin(i & j).count("1") for j in range(dim)] for i in range(dim)])
+    return (h * dim ** -0.5).to(device)
 
 
 class AttentionBackend:
@@ -54,6 +67,11 @@ class AttentionBackend:
         ``dtype``) -> (``[T, Hq, D]`` in ``dtype``, the paths taken)."""
         q, k, v = (x.to(self.dtype) for x in (q, k, v))
         return self.attend(layer, q, meta, self.write(layer, k, v, meta))
+
+    def rotate(self, x: Tensor) -> Tensor:
+        """``x [T, heads, D]`` times :func:`hadamard` per head, in float32 (returned in
+        ``x``'s dtype). The CPU backend does it in C, as its one-call step does."""
+        return (x.float() @ hadamard(x.shape[-1], x.device)).to(x.dtype)
 
     def write(self, layer: int, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Staged:
         """Store the step's K/V: token by token, or through the staging slots (decodes at

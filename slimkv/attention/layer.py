@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import Tensor
 
-from slimkv.attention.backend import AttentionBackend
+from slimkv.attention.backend import AttentionBackend, hadamard
 from slimkv.attention.metadata import AttentionMetadata, DecodePlan
 from slimkv.attention.reference import ReferenceBackend
 from slimkv.attention.sdpa import SdpaBackend
@@ -86,11 +86,18 @@ class PagedAttention:
     """Cache write + attention for one model's layers, sharing one :class:`PagedKVCache`,
     through the backend chosen when it is built (``backend``: a backend's name; None:
     :func:`select_backend`'s choice among the core's and ``kernels``). ``path_counts``
-    counts, per layer call, each path taken; ``layer_path_counts`` the same per layer."""
+    counts, per layer call, each path taken; ``layer_path_counts`` the same per layer.
+
+    ``rotate`` (``kv_cache.int4``'s ``rotate_k``, and ``rotate_v`` unless the loader folded
+    it into the weights): in each layer whose K is int4, Q and K are rotated by the backend's
+    :meth:`~slimkv.attention.backend.AttentionBackend.rotate` after RoPE, before the write
+    (q.k is unchanged, the keys' outlier channels spread over all of them); where V is int4,
+    V before the write and the output after the attention (o = o' R^T; R is symmetric)."""
 
     def __init__(self, cache: PagedKVCache, num_heads: int, scale: float, dtype: torch.dtype,
                  staging: Staging | None = None, backend: str | None = None,
-                 kernels: Kernels | None = None) -> None:
+                 kernels: Kernels | None = None, rotate: tuple[bool, bool] = (False, False)
+                 ) -> None:
         if num_heads % cache.num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of "
                              f"num_kv_heads={cache.num_kv_heads}")
@@ -99,6 +106,10 @@ class PagedAttention:
         self.scale, self.dtype = scale, dtype
         self.path_counts: Counter[str] = Counter()
         self.layer_path_counts: defaultdict[int, Counter[str]] = defaultdict(Counter)
+        self.rotate = [(rotate[0] and c["k"].name == "int4", rotate[1] and c["v"].name == "int4")
+                       for c in cache.layer_codecs]  # per layer: (Q and K, V and the output)
+        if any(map(any, self.rotate)):
+            hadamard(cache.head_dim, cache.device)  # a head_dim it cannot rotate fails here
 
     @property
     def decode_path(self) -> str:
@@ -113,9 +124,13 @@ class PagedAttention:
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
                  meta: AttentionMetadata) -> Tensor:
         """``q [T, num_heads, D]``, ``k, v [T, H_kv, D]`` -> ``[T, num_heads, D]`` in ``dtype``."""
-        out, paths = self.backend.forward(layer, q, k, v, meta)
+        rotate_k, rotate_v = self.rotate[layer]
+        if rotate_k:
+            q, k = self.backend.rotate(q), self.backend.rotate(k)
+        out, paths = self.backend.forward(layer, q, k, self.backend.rotate(v) if rotate_v else v,
+                                          meta)
         self.count(layer, paths)
-        return out
+        return self.backend.rotate(out) if rotate_v else out
 
     def after_lean_step(self, plan: DecodePlan) -> None:
         """After a one-call decode step (:mod:`slimkv.backends.cpu_step`): the backend's

@@ -4,7 +4,7 @@ as the torch backend's SDPA pieces (``fast_prefill``, a bf16 chunk in slimkv's o
 kernel where the CPU has AVX512-BF16).
 
 A step of decodes only over a staged cache takes the *lean* decode in each layer: one C
-call stages K/V and rounds Q (:mod:`slimkv.kernels.stage`), full blocks go to the pool,
+call stages K/V and rounds Q (:mod:`slimkv.backends.cpu_stage`), full blocks go to the pool,
 then the kernel attends. The one-call step (:mod:`slimkv.backends.cpu_step`) runs the same
 for every layer at once (:meth:`CpuBackend.can_lean`, :meth:`lean_layer`,
 :meth:`after_lean_step`), also for an unstaged pool stored in the model dtype, which the
@@ -19,6 +19,9 @@ concatenated with them.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -27,9 +30,9 @@ from slimkv.attention.metadata import AttentionMetadata, DecodePlan, PrefillChun
 from slimkv.attention.sdpa import SdpaBackend
 from slimkv.backends.cpu_kv import KINDS as KV_KINDS
 from slimkv.backends.cpu_kv import CpuPoolWriter, int8_mode, kv_blocks_kernel
-from slimkv.backends.cpu_step import LeanStep
+from slimkv.backends.cpu_stage import KINDS, stage_kernel
+from slimkv.backends.cpu_step import LeanStep, hadamard_kernel
 from slimkv.kernels import KVSide, decode_kernel, describe, kernel_unavailable_reason
-from slimkv.kernels.stage import KINDS, stage_kernel
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.quant import FloatCodec
 from slimkv.kv.staging import StagedKV
@@ -63,6 +66,16 @@ class CpuBackend(SdpaBackend):
         self.blocks = kv_blocks_kernel() if int8 else None
         if self.blocks is not None and cache.block_scaled and cache.writer is None:
             cache.writer = CpuPoolWriter(cache, self.blocks)
+
+    @functools.cached_property
+    def _hadamard(self) -> Callable[[Tensor], Tensor] | None:
+        return hadamard_kernel()  # built on first use: only kv_cache.int4's rotations call it
+
+    def rotate(self, x: Tensor) -> Tensor:
+        """In C (decode_step.c's ``hadamard_rows``): the one-call step's very sums."""
+        if type(x) is not torch.Tensor or self._hadamard is None:
+            return super().rotate(x)
+        return self._hadamard(x).to(x.dtype)
 
     def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
                 meta: AttentionMetadata) -> tuple[Tensor, tuple[str, ...]]:

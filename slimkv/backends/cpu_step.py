@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from slimkv.kernels import SOURCE as DECODE_SOURCE
-from slimkv.kernels import build, qgemm, stage
+from slimkv.backends import cpu_stage as stage
+from slimkv.kernels import build, qgemm
 from slimkv.kernels.qgemm import PRECISE, RMSNORM, SILU_MUL
 from slimkv.model.lean import QuantBlock
 from slimkv.model.quant import QuantEmbedding
@@ -36,7 +37,8 @@ class Layer(ctypes.Structure):
     _fields_ = [("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
                 ("attn_norm", ptr), ("ffn_norm", ptr), ("attn_eps", ctypes.c_float),
                 ("ffn_eps", ctypes.c_float), ("stage_k", ptr), ("stage_v", ptr),
-                ("k_side", ptr), ("v_side", ptr)]
+                ("k_side", ptr), ("v_side", ptr), ("rotate", i32),
+                ("rotate_scale", ctypes.c_float)]
 
 
 class Step(ctypes.Structure):
@@ -63,6 +65,24 @@ def _functions() -> tuple[dict[str, int], Any] | None:
                round_to=st.round_rows, dequant=q.qdequant)
     call = build.signature(lib.decode_step, [ptr, ptr, ctypes.c_int, ptr])
     return {name: ctypes.cast(fn, ptr).value for name, fn in fns.items()}, call
+
+
+def hadamard_kernel() -> Callable[[Tensor], Tensor] | None:
+    """``hadamard_rows`` of decode_step.c as ``f(x)``: a float32 copy of ``x [T, heads, D]``
+    rotated (:meth:`slimkv.attention.backend.AttentionBackend.rotate`), or None where the
+    library cannot be built."""
+    lib = build.load(SOURCE)
+    if isinstance(lib, str):
+        return None
+    fn = build.signature(lib.hadamard_rows, [ptr, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
+                                             ctypes.c_int, ctypes.c_float])
+
+    def rotate(x: Tensor) -> Tensor:
+        y = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        rows, heads, dim = y.shape  # [T, heads, D]
+        fn(y.data_ptr(), rows, heads * dim, heads, dim, dim ** -0.5)
+        return y
+    return rotate
 
 
 def _linear(lin: Any, mode: int) -> Linear:
@@ -128,11 +148,13 @@ class LeanStep:
         for i, block in enumerate(self._blocks):
             wqkv, wo, w13, w2, attn_norm, ffn_norm, layer = block.parts[:7]
             stage_k, stage_v, k_side, v_side = self.attention.backend.lean_layer(layer)
+            rotate_k, rotate_v = self.attention.rotate[layer]
             table[i] = Layer(_linear(wqkv, RMSNORM), _linear(wo, 0), _linear(w13, RMSNORM),
                              _linear(w2, SILU_MUL), attn_norm.weight.data_ptr(),
                              ffn_norm.weight.data_ptr(), attn_norm.eps, ffn_norm.eps,
                              stage_k.data_ptr(), stage_v.data_ptr(), ctypes.addressof(k_side),
-                             ctypes.addressof(v_side))
+                             ctypes.addressof(v_side), rotate_k | rotate_v << 1,
+                             block.parts[7] ** -0.5)
             self._keep.append((block.parts, stage_k, stage_v, k_side, v_side))
         return table
 

@@ -28,6 +28,7 @@ from slimkv.loadtest.report import summarize
 from slimkv.loadtest.runner import RunSpec, run_level
 from slimkv.loadtest.workloads import WorkloadSpec
 from slimkv.model_io.loader import read_model_args
+from slimkv.planner import bits_per_element
 from slimkv.stats import cdiv
 
 GiB = 1024 ** 3
@@ -78,6 +79,17 @@ def budget_bytes(config: Config, spec: CapacitySpec, shape: dict[str, int]) -> i
     return blocks * kv.block_size * per_token
 
 
+def layout_bits(config: Config, shape: dict[str, int], context: int) -> float:
+    """The stored bits per K/V element of a ``context``-token session in ``config``'s KV
+    layout (its dtypes, ``k_scale``, ``int4.group_size``, ``layer_dtypes``): the bytes the
+    engine itself sizes its pool by (:func:`slimkv.planner.bits_per_element`)."""
+    kv = config.kv_cache
+    return bits_per_element(context, **shape, k_dtype=kv.k_dtype or kv.dtype,
+                            v_dtype=kv.v_dtype or kv.dtype, k_scale=kv.k_scale,
+                            block_size=kv.block_size, layer_dtypes=kv.layer_dtypes,
+                            int4_group_size=kv.int4.group_size)
+
+
 def variant_config(config: Config, variant: Variant, budget: int, spec: CapacitySpec) -> Config:
     """The variant served from ``budget`` bytes, sized by the engine itself (blocks with their
     scales, and the staging blocks of schemes that need them, all inside the budget)."""
@@ -116,7 +128,8 @@ def run_variant(config: Config, variant: Variant, spec: CapacitySpec, budget: in
                 progress: bool = True) -> dict[str, Any]:
     workload = WorkloadSpec("long-sessions", spec.context, spec.doc_tokens, spec.max_tokens,
                             seed=spec.seed)
-    with ServerProcess(variant_config(config, variant, budget, spec)) as server:
+    served = variant_config(config, variant, budget, spec)
+    with ServerProcess(served) as server:
         run = RunSpec(server.url, server.model_name(), workload, spec.duration,
                       request_timeout=spec.duration + 30, extra_body={"ignore_eos": True})
         levels = []
@@ -128,6 +141,7 @@ def run_variant(config: Config, variant: Variant, spec: CapacitySpec, budget: in
                   f" preemptions={s['server']['preemptions']} p99 TTFT={s['ttft_s']['p99']}",
                   flush=True)
     return {"variant": variant.name, "dtype": variant.dtype, "paged": variant.paged,
+            "bits_per_element": layout_bits(served, kv_shape(config), spec.context),
             "levels": levels}
 
 

@@ -83,6 +83,7 @@ def analyze(result: dict[str, Any]) -> list[dict[str, Any]]:
         sessions = sessions_served(levels)
         at_ref = next(lv for lv in levels if lv["concurrency"] == ref)
         rows.append({"variant": v["variant"], "sessions": sessions,
+                     "bits_per_element": v.get("bits_per_element"),  # older results lack it
                      "limited_by": limited_by(levels, sessions, soft, watermark), "ref_level": ref,
                      "kv_bytes_at_ref": at_ref["server"]["peak_kv_bytes_used"],
                      "flat_up_to": flat_up_to(levels), "past_soft": past_soft_limit(levels, soft),
@@ -109,14 +110,15 @@ def _fmt_past(past: dict[str, Any] | None) -> str:
 
 def summary_table(rows: list[dict[str, Any]]) -> str:
     ref = rows[0]["ref_level"]
-    lines = [f"| KV cache | sessions served | vs baseline | limited by | KV in use at {ref} "
-             "clients | memory change | P99 TTFT flat (<= 2x) up to | past the soft limit |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [f"| KV cache | bits / element | sessions served | vs baseline | limited by | KV in "
+             f"use at {ref} clients | memory change | P99 TTFT flat (<= 2x) up to | past the "
+             "soft limit |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         x = "-" if r["sessions_x"] is None else f"x{r['sessions_x']:.2f}"
         mem = "-" if r["memory_change"] is None else f"{r['memory_change'] * 100:+.0f}%"
         flat = "-" if r["flat_up_to"] is None else f"{r['flat_up_to']} clients"
-        lines.append(f"| {r['variant']} | {r['sessions']} | {x} | {r['limited_by']} | "
+        bits = "-" if r.get("bits_per_element") is None else f"{r['bits_per_element']:.2f}"
+        lines.append(f"| {r['variant']} | {bits} | {r['sessions']} | {x} | {r['limited_by']} | "
                      f"{r['kv_bytes_at_ref'] / MiB:.1f} MiB | {mem} | {flat} | "
                      f"{_fmt_past(r['past_soft'])} |")
     return "\n".join(lines)

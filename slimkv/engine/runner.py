@@ -92,7 +92,8 @@ class ModelRunner:
         self.v_dtype = model_dtype if v_dtype == "auto" else v_dtype
         shape = dict(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
                      head_dim=args.head_dim, k_dtype=self.k_dtype, v_dtype=self.v_dtype,
-                     k_scale=kv.k_scale, layer_dtypes=kv.layer_dtypes)
+                     k_scale=kv.k_scale, layer_dtypes=kv.layer_dtypes,
+                     int4_group_size=kv.int4.group_size)
         self.bytes_per_token = PagedKVCache.bytes_per_token(**shape, block_size=kv.block_size)
         staged = Staging.needed(self.k_dtype, self.v_dtype, args.head_dim, kv.k_scale,
                                 kv.layer_dtypes)
@@ -107,8 +108,11 @@ class ModelRunner:
         self.cache = PagedKVCache(num_blocks=self._num_blocks(shape), block_size=kv.block_size,
                                   device=self.device, **shape)
         self.staging = Staging(self.cache, self.num_staging_slots, self.dtype) if staged else None
+        # V's rotation is free where the loader folded it into dense weights (model_io).
+        rotate = (kv.int4.rotate_k, kv.int4.rotate_v and not getattr(self.model, "v_rotated", 0))
         self.attention = PagedAttention(self.cache, args.num_heads, args.head_dim ** -0.5,
-                                        self.dtype, staging=self.staging, kernels=kernels)
+                                        self.dtype, staging=self.staging, kernels=kernels,
+                                        rotate=rotate)
         if kv.strict and self.attention.backend.fallback_reason:
             raise ConfigError(
                 f"kv_cache.strict: the {self.k_dtype}/{self.v_dtype} KV cache cannot run its "

@@ -4,7 +4,7 @@ next-token statistics against a reference dtype, exact-match accuracy per task."
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -118,15 +118,22 @@ def eval_config(config: Config, dtype: str, max_context: int) -> Config:
     """``config`` with ``dtype`` for K and V and a pool of 1.5 times the longest context (a
     small pool per dtype, since every dtype's engine stays alive for the run). ``dtype`` may
     name a key scale layout too, ``int4:per_channel_block``; without one the config's
-    ``kv_cache.k_scale`` applies. ``dtype@chunk=N`` prefills (and scores) N tokens a step
-    instead: the same dtype with another chunking, whose distance from the plain run is the
-    floor of rounding noise (in bf16 activations, not zero)."""
+    ``kv_cache.k_scale`` applies. ``+`` adds ``kv_cache.int4`` options over the config's:
+    ``int4:per_token+g64+rotate_k+rotate_v`` (``gN``: ``group_size`` N; ``no_X``: X false).
+    ``dtype@chunk=N`` prefills (and scores) N tokens a step instead: the same dtype with
+    another chunking, whose distance from the plain run is the floor of rounding noise (in
+    bf16 activations, not zero)."""
     dtype, _, chunking = dtype.partition("@")
     blocks = math.ceil(1.5 * max_context / config.kv_cache.block_size)
+    dtype, *options = dtype.split("+")
     dtype, _, k_scale = dtype.partition(":")
+    int4 = asdict(config.kv_cache.int4)  # a mapping: its keys are checked as YAML's are
+    for option in options:
+        int4.update({"group_size": int(option[1:])} if option[:1] == "g" else
+                    {option[3:]: False} if option.startswith("no_") else {option: True})
     config = config.replace("kv_cache", dtype=dtype, k_dtype=None, v_dtype=None,
                             layer_dtypes=None, num_blocks=blocks,
-                            k_scale=k_scale or config.kv_cache.k_scale)
+                            k_scale=k_scale or config.kv_cache.k_scale, int4=int4)
     budget = max(config.scheduler.max_num_batched_tokens, _STEP_TOKENS)
     if chunking:
         name, _, value = chunking.partition("=")

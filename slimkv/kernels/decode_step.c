@@ -16,6 +16,12 @@
  * With a staged cache, blocks that a token fills go into the pool afterwards, in Python
  * (the kernel reads each sequence's own block from its staging slot, never from the pool);
  * an unstaged pool in the model dtype takes the new K/V from the stage kernel directly.
+ *
+ * kv_cache.int4's rotations (issue 46; slimkv/attention/layer.py's PagedAttention.rotate)
+ * are the one computation of this file, hadamard_rows, which the per-op path calls too
+ * (slimkv/backends/cpu.py), so the two stay bit-identical: with rotate_k the q and k heads
+ * after RoPE; with rotate_v the v heads before staging and the attention's output after
+ * its rounding (rounded again: the per-op path returns the model dtype).
  */
 #include <stdint.h>
 #include <string.h>
@@ -51,7 +57,30 @@ typedef struct {
                                   * H, D] (own_slots: the attention reads its own block from
                                   * there), or the pool itself (slots: block ids) */
     const void *k_side, *v_side; /* paged_decode's kv_side of the layer's pool */
+    int32_t rotate;              /* ROTATE_K | ROTATE_V (kv_cache.int4) */
+    float rotate_scale;          /* 1 / sqrt(head_dim) */
 } layer;
+
+enum { ROTATE_K = 1, ROTATE_V = 2 };
+
+/* Rows t < T of x (row stride `stride` floats), heads h < heads of D floats each (D a power
+ * of two): each head vector times the orthonormal Sylvester Hadamard matrix, in place. The
+ * butterflies of the fast Walsh-Hadamard transform (pairs j, j + len for len = 1, 2, ...),
+ * then the scale: the same sums, in the same order, wherever it is called. */
+void hadamard_rows(float *x, int T, int64_t stride, int heads, int D, float scale) {
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < heads; h++) {
+            float *v = x + t * stride + (int64_t)h * D;
+            for (int len = 1; len < D; len <<= 1)
+                for (int i = 0; i < D; i += len << 1)
+                    for (int j = i; j < i + len; j++) {
+                        float a = v[j], b = v[j + len];
+                        v[j] = a + b;
+                        v[j + len] = a - b;
+                    }
+            for (int d = 0; d < D; d++) v[d] *= scale;
+        }
+}
 
 typedef struct {
     qgemm_fn qgemm;
@@ -88,7 +117,9 @@ static void run_layer(const step *s, const layer *l, float *x) {
         s->rope(s->qkv + (int64_t)t * qkv_n, 1, qkv_n, s->hq + s->hkv, D, s->cos + at,
                 s->sin + at);
     }
-    const float *k = s->qkv + width, *v = k + s->hkv * D;
+    float *k = s->qkv + width, *v = k + s->hkv * D;
+    if (l->rotate & ROTATE_K) hadamard_rows(s->qkv, T, qkv_n, s->hq + s->hkv, D, l->rotate_scale);
+    if (l->rotate & ROTATE_V) hadamard_rows(v, T, qkv_n, s->hkv, D, l->rotate_scale);
     s->stage(s->qkv, qkv_n, k, qkv_n, v, qkv_n, T, s->hq, s->hkv, D, s->dtype_kind, s->q,
              l->stage_k, l->stage_v, s->stage_kind, s->block_size, s->slots, s->offsets);
     int own = s->own_slots != 0;
@@ -96,6 +127,10 @@ static void run_layer(const step *s, const layer *l, float *x) {
               s->seq_lens, l->k_side, l->v_side, own ? l->stage_k : 0, own ? l->stage_v : 0,
               s->stage_kind, s->own_slots, s->scale);
     s->round_to(s->attn, (int64_t)T * width, s->dtype_kind);
+    if (l->rotate & ROTATE_V) {
+        hadamard_rows(s->attn, T, width, s->hq, D, l->rotate_scale);
+        s->round_to(s->attn, (int64_t)T * width, s->dtype_kind);
+    }
     s->qgemm(s->attn, T, width, width, l->o.mode, 0, 0.0f, l->o.w, l->o.bits, H, x, 1);
     add_bias(x, T, &l->o);
     s->qgemm(x, T, H, H, l->gate_up.mode, l->ffn_norm, l->ffn_eps, l->gate_up.w,

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from slimkv.config import INT4_GROUP
 from slimkv.kv.layers import LayerDtypes, layer_codecs, side_codec, side_codecs
 from slimkv.kv.quant import AUX_DTYPE, KVCodec, QuantizedKV
 from slimkv.stats import cdiv
@@ -50,18 +51,18 @@ class PagedKVCache:
 
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, k_dtype: str, v_dtype: str, k_scale: str, device: torch.device,
-                 layer_dtypes: LayerDtypes | None = None) -> None:
+                 layer_dtypes: LayerDtypes | None = None, int4_group_size: int = INT4_GROUP) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.device = torch.device(device)
-        self.k_scale = k_scale
-        self.layer_dtypes = layer_dtypes
-        self.codecs = side_codecs(k_dtype, v_dtype, head_dim, k_scale)
+        self.k_scale, self.layer_dtypes = k_scale, layer_dtypes
+        self.int4_group_size = int4_group_size
+        self.codecs = side_codecs(k_dtype, v_dtype, head_dim, k_scale, int4_group_size)
         self.layer_codecs = layer_codecs(num_layers, head_dim, k_dtype, v_dtype, k_scale,
-                                         layer_dtypes)
+                                         layer_dtypes, int4_group_size)
         self._groups = self._group_layers()
         self._where = {layer: (group, i) for group in self._groups
                        for i, layer in enumerate(group.layers)}
@@ -97,10 +98,11 @@ class PagedKVCache:
     @staticmethod
     def block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, k_dtype: str,
                     v_dtype: str, k_scale: str, block_size: int,
-                    layer_dtypes: LayerDtypes | None = None) -> int:
+                    layer_dtypes: LayerDtypes | None = None, int4_group_size: int = INT4_GROUP) -> int:
         """Exact bytes of one block across all layers, K and V, scales and zeros included:
         the sum of every layer's own figure."""
-        codecs = layer_codecs(num_layers, head_dim, k_dtype, v_dtype, k_scale, layer_dtypes)
+        codecs = layer_codecs(num_layers, head_dim, k_dtype, v_dtype, k_scale, layer_dtypes,
+                              int4_group_size)
         per_head = sum(codec.bytes_per_block_head(block_size)
                        for layer in codecs for codec in layer.values())
         return num_kv_heads * per_head
@@ -123,7 +125,7 @@ class PagedKVCache:
     def bytes_per_block(self) -> int:
         return self.block_bytes(self.num_layers, self.num_kv_heads, self.head_dim,
                                 self.codecs["k"].name, self.codecs["v"].name, self.k_scale,
-                                self.block_size, self.layer_dtypes)
+                                self.block_size, self.layer_dtypes, self.int4_group_size)
 
     @property
     def nbytes(self) -> int:

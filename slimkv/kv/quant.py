@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from slimkv.config import INT4_GROUP
+
 AUX_DTYPE = torch.float16
 # Smallest normal float16: scales never go to zero or denormal.
 _MIN_SCALE = torch.finfo(AUX_DTYPE).tiny
@@ -170,7 +172,7 @@ class Int4Codec(KVCodec):
     # the stored zero <= min and the stored range >= max - zero, so clamping never bites.
     _MARGIN = 2.0**-10
 
-    def __init__(self, name: str, head_dim: int, group_size: int = 32) -> None:
+    def __init__(self, name: str, head_dim: int, group_size: int = INT4_GROUP) -> None:
         super().__init__(name, head_dim)
         if head_dim % 2 or group_size <= 0 or head_dim % group_size:
             raise ValueError(f"int4 KV needs an even head_dim divisible by the group size, "
@@ -225,7 +227,7 @@ class Int4Codec(KVCodec):
 KV_CODEC_NAMES = (*_FLOAT_DTYPES, "int8", "fp8", *_FP8_DTYPES, "int4")
 
 
-def make_codec(name: str, head_dim: int, group_size: int = 32) -> KVCodec:
+def make_codec(name: str, head_dim: int, group_size: int = INT4_GROUP) -> KVCodec:
     """The codec for a KV dtype config string (``auto`` must be resolved by the caller)."""
     canonical = _ALIASES.get(name, name)
     if canonical in _FLOAT_DTYPES:

@@ -45,4 +45,6 @@ class ModelLoader(Protocol):
                  dtype: torch.dtype) -> tuple[ModelArgs, Transformer, Tokenizer]:
         """``config.model``'s shapes, its decoder on ``device`` in ``dtype`` (weights in the
         class ``model.weights`` asks for; not to be mutated: loaders may cache it) and its
-        tokenizer."""
+        tokenizer. A decoder marked ``v_rotated = True`` has ``kv_cache.int4.rotate_v``
+        folded into its weights (in the layers whose V is int4; see
+        :mod:`slimkv.model_io.rotate`), so the attention does not rotate V again."""

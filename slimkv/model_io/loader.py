@@ -18,6 +18,7 @@ from torch import Tensor
 from slimkv.config import Config
 from slimkv.model.llama import SUPPORTED_ARCHS, ModelArgs, Transformer
 from slimkv.model_io.convert import GGUF_CLASSES, from_gguf
+from slimkv.model_io.rotate import rotated_for
 from slimkv.model_io.tokenizer import Tokenizer
 from slimkv.model_io.weights import Weight, build, cat, resolve_weights
 
@@ -42,7 +43,8 @@ def load(config: Config, device: torch.device,
     """The engine's loader: ``model.path`` with its weights in the class ``model.weights``
     resolves to (:func:`~slimkv.model_io.weights.resolve_weights`)."""
     weights = resolve_weights(config.model.weights, config.model.dtype, device)
-    return load_model(config.model.path, dtype, device, weights)
+    args, model, tokenizer = load_model(config.model.path, dtype, device, weights)
+    return args, rotated_for(model, config.kv_cache), tokenizer
 
 
 def load_model(path: str | None, dtype: torch.dtype, device: torch.device,

@@ -24,7 +24,9 @@ def offload_connector(runner: ModelRunner) -> OffloadTier:
     config = runner.config
     offload = OffloadConfig.of(config.kv_cache)
     path = os.path.realpath(config.model.path or default_model_path())
-    layout = ChunkLayout(runner.cache, model_digest(path), str(runner.dtype).removeprefix("torch."))
+    int4 = config.kv_cache.int4
+    layout = ChunkLayout(runner.cache, model_digest(path), str(runner.dtype).removeprefix("torch."),
+                         (int4.rotate_k, int4.rotate_v))
     tier = OffloadTier(layout, offload, pin=runner.device.type == "cuda")
     atexit.register(tier.close)
     return tier

@@ -53,8 +53,11 @@ def model_digest(path: str) -> bytes:
 class ChunkLayout:
     """How a chunk of one :class:`PagedKVCache` is laid out in bytes: gather and scatter."""
 
-    def __init__(self, cache: PagedKVCache, model_id: bytes, model_dtype: str) -> None:
-        self.cache = cache
+    def __init__(self, cache: PagedKVCache, model_id: bytes, model_dtype: str,
+                 rotation: tuple[bool, bool] = (False, False)) -> None:
+        """``rotation``: kv_cache.int4's (rotate_k, rotate_v), which change what int4 layers
+        store without changing their codecs, so they are part of the format digest."""
+        self.cache, self.rotation = cache, rotation
         self.tensors = list(cache.tensors().items())
         # Bytes of one block's slice of each tensor (all layers of its group).
         self._sizes = [t[:, :1].nbytes for _, t in self.tensors]
@@ -72,6 +75,8 @@ class ChunkLayout:
                             type(c["v"]).__name__) for c in self.cache.layer_codecs],
                 "tensors": [(name, str(t.dtype), t.shape[0], tuple(t.shape[2:]))
                             for name, t in self.tensors]}
+        if any(self.rotation):  # absent otherwise: the digests of existing tiers stay valid
+            spec["rotation"] = list(self.rotation)
         data = json.dumps(spec, sort_keys=True).encode()
         return hashlib.blake2b(data, digest_size=16, key=model_id[:64]).digest()
 

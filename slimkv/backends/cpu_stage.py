@@ -1,6 +1,7 @@
 """``kv_stage.c`` through ctypes: a decode step's K/V into the staging slots, Q rounded to
 the model dtype, in one call per layer. :func:`stage_kernel` is None where it cannot be
-built (the attention then takes its torch path)."""
+built (the attention then takes its torch path). Only the CPU backend and its one-call step
+call it, so its glue lives with them (the C source stays with the other kernels)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from slimkv import kernels
 from slimkv.kernels import build
 
-SOURCE = Path(__file__).with_name("kv_stage.c")
+SOURCE = Path(kernels.__file__).with_name("kv_stage.c")
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
