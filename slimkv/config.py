@@ -93,6 +93,14 @@ class ModelConfig:
 
 
 @dataclass(slots=True)
+class Int4KVConfig:
+    """Options of int4 KV layers (``kv_cache.int4``). ``sink_block``: keep each sequence's
+    first block at the model dtype (docs/kv-formats.md, "The sink block")."""
+
+    sink_block: bool = True
+
+
+@dataclass(slots=True)
 class KVCacheConfig:
     """The paged KV pool: its size, element formats and eviction policy."""
 
@@ -114,8 +122,13 @@ class KVCacheConfig:
     layer_dtypes: dict[str, list[int]] | None = None
     offload: dict[str, Any] | None = None  # the tier below the pool: kv/offload/config.py
     session_ttl_s: float = 600.0
+    int4: Int4KVConfig = field(default_factory=Int4KVConfig)  # a mapping in YAML
 
     def __post_init__(self) -> None:
+        if isinstance(self.int4, dict):
+            _reject_unknown(self.int4, Int4KVConfig.__slots__, "kv_cache.int4.")
+            self.int4 = Int4KVConfig(**self.int4)
+        _check(isinstance(self.int4.sink_block, bool), "kv_cache.int4.sink_block", "true or false")
         _check_choice(self.dtype, KV_DTYPES, "kv_cache.dtype")
         for key in ("k_dtype", "v_dtype"):
             _check_choice(getattr(self, key), KV_DTYPES, f"kv_cache.{key}", optional=True)

@@ -157,16 +157,35 @@ def plan(model: str, memory: int, *, context: int = 32768, sessions: int = 48,
 def _row(args: ModelArgs, kv: str, budget: int, block_size: int, context: int,
          sessions: int, k_scale: str, dtype: torch.dtype) -> KVRow:
     """One dtype's capacity; a staged layout sets aside a staging block per session (+1
-    for scoring), as the engine does."""
+    for scoring), as the engine does, and int4 its sink blocks (:func:`sink_blocks`)."""
     shape = dict(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
                  head_dim=args.head_dim, k_dtype=kv, v_dtype=kv, k_scale=k_scale)
     staged = Staging.needed(kv, kv, args.head_dim, k_scale)
+    sinks = sink_blocks(kv, sessions + 1) if staged else 0
     staging = Staging.bytes(args.num_layers, args.num_kv_heads, args.head_dim, block_size,
-                            sessions + 1, dtype) if staged else 0
-    blocks = PagedKVCache.num_blocks_for_budget(budget, staging, **shape, block_size=block_size)
+                            sessions + 1 + sinks, dtype) if staged else 0
+    blocks = PagedKVCache.num_blocks_for_budget(budget, staging, **shape,
+                                                block_size=block_size) - sinks
     return KVRow(kv, PagedKVCache.bytes_per_token(**shape, block_size=block_size), blocks,
                  max_sessions=blocks // cdiv(context, block_size),
                  context_at_sessions=blocks // sessions * block_size)
+
+
+def sink_blocks(kv: str, num_staging_slots: int, sink_block: bool = True) -> int:
+    """Blocks of the float sink region (``kv_cache.int4.sink_block``, docs/kv-formats.md):
+    two per staging slot, as the engine sizes it (slimkv/engine/runner.py), each taking a
+    float block in the staging buffer and a pool block's bytes."""
+    return 2 * num_staging_slots if kv == "int4" and sink_block else 0
+
+
+def sink_bytes_per_sequence(args: ModelArgs, kv: str, block_size: int, k_scale: str,
+                            dtype: torch.dtype) -> int:
+    """What the sink costs per running sequence (its two blocks: capacity counts)."""
+    shape = dict(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
+                 head_dim=args.head_dim, k_dtype=kv, v_dtype=kv, k_scale=k_scale)
+    per_block = (Staging.bytes(args.num_layers, args.num_kv_heads, args.head_dim, block_size, 1,
+                               dtype) + PagedKVCache.block_bytes(**shape, block_size=block_size))
+    return sink_blocks(kv, 1) * per_block
 
 
 def format_plan(p: Plan, selected: str | None = None) -> str:

@@ -52,6 +52,9 @@ class CpuBackend(SdpaBackend):
         self.sides: list[tuple[KVSide, KVSide]] = [
             tuple(describe(cache.layer_codecs[layer][side], cache.layer_pool(side, layer))
                   for side in ("k", "v")) for layer in range(cache.num_layers)]
+        if staging is not None and staging.num_sink:  # ids the kernel reads at float
+            for side in (s for pair in self.sides for s in pair):
+                side.sink_from, side.sink_shift = staging.sink_from, staging.sink_shift
         lean = dtype in KINDS and (
             staging.buffer.dtype == dtype if staging is not None else
             all(isinstance(c, FloatCodec) and c.storage_dtype == dtype for c in cache.all_codecs()))
@@ -89,6 +92,9 @@ class CpuBackend(SdpaBackend):
         ids = meta.block_tables[chunk.seq, :cdiv(pool, self.cache.block_size)]
         k, v = (self.blocks.read(self.cache.layer_pool(side, layer), mode, ids, self.dtype, rows)
                 for side, mode in zip(("k", "v"), modes))
+        if self.staging is not None and self.staging.num_sink and len(ids):  # block 0 at float
+            bs, row = self.cache.block_size, ids[0] + self.staging.sink_shift
+            k[:bs], v[:bs] = self.staging.buffer[:, layer, row].to(self.dtype)
         out = torch.empty_like(q)
         for p in reversed(pieces):  # pool keys grow piece by piece
             n = p.num_pool_keys
@@ -132,5 +138,5 @@ class CpuBackend(SdpaBackend):
         """After that step: filled blocks into the pool (its kernel read them from the
         staging slots)."""
         if self.staging is not None:
-            self.staging.store_filled_all_layers(plan.staging_slots, plan.last_block_id,
+            self.staging.store_filled(None, plan.staging_slots, plan.last_block_id,
                                                  plan.filled)

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from slimkv.attention.backend import AttentionBackend
 from slimkv.attention.metadata import AttentionMetadata, DecodePlan, PrefillChunk
+from slimkv.config import ConfigError
 from slimkv.kernels.triton import triton_unavailable_reason
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import StagedKV
@@ -29,6 +30,9 @@ class TritonBackend(AttentionBackend):
         from slimkv.kernels.triton.side import describe
 
         super().__init__(*args, **kwargs)
+        if self.staging is not None and self.staging.num_sink:
+            raise ConfigError("kv_cache.int4.sink_block: the Triton kernels do not read the "
+                              "float sink block yet; set it false on CUDA")
         cache = self.cache
         cache.writer = TritonPoolWriter(cache)
         self.kernel, self._prefill = TritonDecode(), paged_prefill

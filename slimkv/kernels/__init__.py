@@ -34,7 +34,8 @@ class KVSide(ctypes.Structure):
     _fields_ = [("data", ctypes.c_void_p), ("scale", ctypes.c_void_p),
                 ("zero", ctypes.c_void_p),
                 ("kind", ctypes.c_int32), ("scale_mode", ctypes.c_int32),
-                ("groups", ctypes.c_int32), ("width", ctypes.c_int32)]
+                ("groups", ctypes.c_int32), ("width", ctypes.c_int32),
+                ("sink_from", ctypes.c_int64), ("sink_shift", ctypes.c_int64)]
 
 
 def _ptr(t: Tensor | None) -> int | None:
@@ -63,7 +64,7 @@ def describe(codec: KVCodec, layer_pool: QuantizedKV) -> KVSide:
     ``layer_pool`` holds that layer's tensors; the view keeps them alive."""
     kind, mode, groups = kernel_format(codec)
     side = KVSide(_ptr(layer_pool.data), _ptr(layer_pool.aux.get("scale")),
-                  _ptr(layer_pool.aux.get("zero")), kind, mode, groups, codec.data_width)
+                  _ptr(layer_pool.aux.get("zero")), kind, mode, groups, codec.data_width, 2**63 - 1, 0)
     side.keep = layer_pool
     return side
 
