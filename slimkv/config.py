@@ -95,9 +95,11 @@ class ModelConfig:
 @dataclass(slots=True)
 class Int4KVConfig:
     """Options of int4 KV layers (``kv_cache.int4``). ``sink_block``: keep each sequence's
-    first block at the model dtype (docs/kv-formats.md, "The sink block")."""
+    first block at the model dtype (docs/kv-formats.md, "The sink block"); null: on where
+    it is served (off on CUDA, whose Triton kernels do not read it yet, and with
+    ``kv_cache.offload``, which does not store it)."""
 
-    sink_block: bool = True
+    sink_block: bool | None = None
 
 
 @dataclass(slots=True)
@@ -128,7 +130,8 @@ class KVCacheConfig:
         if isinstance(self.int4, dict):
             _reject_unknown(self.int4, Int4KVConfig.__slots__, "kv_cache.int4.")
             self.int4 = Int4KVConfig(**self.int4)
-        _check(isinstance(self.int4.sink_block, bool), "kv_cache.int4.sink_block", "true or false")
+        _check(isinstance(self.int4.sink_block, (bool, type(None))), "kv_cache.int4.sink_block",
+               "must be true, false or null")
         _check_choice(self.dtype, KV_DTYPES, "kv_cache.dtype")
         for key in ("k_dtype", "v_dtype"):
             _check_choice(getattr(self, key), KV_DTYPES, f"kv_cache.{key}", optional=True)

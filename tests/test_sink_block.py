@@ -106,13 +106,15 @@ def test_bfloat16_sink_rows_through_the_tiled_path_as_the_portable_loop(monkeypa
     torch.testing.assert_close(captured[0], captured[1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("done, n", [(40, 20), (0, 40), (9, 30)])
 @pytest.mark.parametrize("backend", ["sdpa", "cpu"])
-def test_prefill_chunks_read_the_sink_as_the_reference(backend):
-    """A chunk after a full block 0 (torch path: dequantized prefix, block 0 replaced)."""
-    cache, staging, _, meta0 = _step([60], done=[40])
+def test_prefill_chunks_read_the_sink_as_the_reference(backend, done, n):
+    """A chunk after a full block 0, one that fills it and goes on, one that starts inside
+    it (torch path: dequantized prefix, block 0's rows replaced by the float ones)."""
+    cache, staging, _, meta0 = _step([done + n], done=[done])
     gen = torch.Generator().manual_seed(7)
-    q, k, v = (torch.randn(20, h, 64, generator=gen) for h in (HQ, H_KV, H_KV))
-    meta = _meta([20], [60], [meta0.block_tables[0].tolist()], [0])
+    q, k, v = (torch.randn(n, h, 64, generator=gen) for h in (HQ, H_KV, H_KV))
+    meta = _meta([n], [done + n], [meta0.block_tables[0].tolist()], [0])
     attn = PagedAttention(cache, HQ, 0.125, torch.float32, staging=staging, backend=backend,
                           kernels=KERNELS)
     staged = attn.backend.write(0, k, v, meta)
@@ -240,12 +242,53 @@ def test_engine_preemption_with_the_sink_completes_and_leaks_nothing(sink_llm: L
     _idle(tight)
 
 
-def test_only_int4_caches_get_a_sink_and_offload_refuses_it():
+@pytest.mark.slow
+def test_only_int4_caches_get_a_sink():
     for dtype in ("int8", "fp8", "float32"):
         config = Config().replace("kv_cache", dtype=dtype)
-        assert config.kv_cache.int4.sink_block  # on, yet an int4 option only
+        assert config.kv_cache.int4.sink_block is None  # auto: on where served, int4 only
     assert Config.from_dict({"kv_cache": {"int4": {"sink_block": False}}}).kv_cache.int4.sink_block is False
     with pytest.raises(ConfigError, match="kv_cache.int4.sink_blok"):
         Config.from_dict({"kv_cache": {"int4": {"sink_blok": False}}})
     with pytest.raises(ConfigError, match="kv_cache.int4.sink_block"):
         Config.from_dict({"kv_cache": {"int4": {"sink_block": "yes"}}})
+    for dtype in ("int8", "fp8_e4m3", "float32"):  # a sink for int4 caches only
+        assert _llm(dtype=dtype, int4={"sink_block": True}).engine.runner.num_sink == 0
+
+
+@pytest.mark.slow
+def test_offload_with_the_sink_is_refused_naming_both_keys(tmp_path):
+    from slimkv.plugins import build_engine
+
+    config = Config().replace("kv_cache", dtype="int4", memory_gb=None, num_blocks=32,
+                              max_concurrency_soft=2, offload={"host_gb": 0.01},
+                              int4={"sink_block": True}).replace(
+        "model", dtype="float32")
+    with pytest.raises(ConfigError, match="kv_cache.offload.*kv_cache.int4.sink_block"):
+        build_engine(config)
+    auto = build_engine(config.replace("kv_cache", int4={}))  # null: off with the offload tier
+    assert auto.runner.num_sink == 0
+
+
+@pytest.mark.parametrize("backend", [None, "sdpa"])
+def test_a_decode_that_fills_block_zero_keeps_it_and_the_next_reads_it(backend):
+    """15 tokens prefilled, the 16th decoded (block 0 fills from the staging slot), then the
+    17th: its block 0 comes from the float row, and the pool's quantized copy would differ."""
+    cache, staging, _, meta = _step([17], done=[15])
+    table = meta.block_tables[0].tolist()
+    gen = torch.Generator().manual_seed(5)
+    steps = [tuple(torch.randn(1, h, 64, generator=gen) for h in (HQ, H_KV, H_KV)) for _ in "ab"]
+    attn = PagedAttention(cache, HQ, 0.125, torch.float32, staging=staging, backend=backend,
+                          kernels=KERNELS)
+    attn(0, *steps[0], _meta([1], [16], [table], [0]))
+    row = table[0] + staging.sink_shift
+    assert torch.equal(staging.buffer[:, 0, row], staging.buffer[:, 0, 0])  # slot 0: block 0
+    meta = _meta([1], [17], [table], [0])
+    out = attn(0, *steps[1], meta)
+    reference = reference_paged_attention(cache, 0, steps[1][0], meta, 0.125, torch.float32,
+                                          staging)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    staging.num_sink = 0  # the torch paths would read block 0's quantized copy instead
+    pool_copy = reference_paged_attention(cache, 0, steps[1][0], meta, 0.125, torch.float32,
+                                          staging)
+    assert not torch.allclose(pool_copy, reference, rtol=1e-3, atol=1e-3)

@@ -101,7 +101,9 @@ class ModelRunner:
         # kv_cache.int4.sink_block (docs/kv-formats.md): a float block 0 per staging slot,
         # as many again for cached heads; their bytes come out of the same budget.
         int4 = "int4" in (self.k_dtype, self.v_dtype, *(kv.layer_dtypes or {}))
-        self.num_sink = 2 * self.num_staging_slots if int4 and kv.int4.sink_block and kv.paged else 0
+        sink = (self.device.type != "cuda" and kv.offload is None if kv.int4.sink_block is None
+                else kv.int4.sink_block)
+        self.num_sink = 2 * self.num_staging_slots if int4 and sink and kv.paged else 0
         self.activation_bytes = activation_peak(
             args, self.dtype, self.device, k_dtype=self.k_dtype, v_dtype=self.v_dtype,
             k_scale=kv.k_scale, block_size=kv.block_size,
@@ -150,7 +152,7 @@ class ModelRunner:
         """Bytes of the weights, the KV pool, its staging blocks, and the activation peak of
         the largest step (measured at start-up, see :func:`slimkv.engine.memory.activation_peak`)."""
         return {"weights": weight_bytes(self.model), "kv_cache": self.cache.nbytes,
-                "kv_staging": self.staging.nbytes if self.staging else 0,
+                "kv_staging": self.staging.buffer.nbytes if self.staging else 0,
                 "activations": self.activation_bytes}
 
     # -- one step ----------------------------------------------------------------------
