@@ -95,9 +95,8 @@ class ModelConfig:
 @dataclass(slots=True)
 class Int4KVConfig:
     """Options of int4 KV layers (``kv_cache.int4``). ``sink_block``: keep each sequence's
-    first block at the model dtype (docs/kv-formats.md, "The sink block"); null: on where
-    it is served (off on CUDA, whose Triton kernels do not read it yet, and with
-    ``kv_cache.offload``, which does not store it)."""
+    first block at the model dtype (docs/kv-formats.md, "The sink block"); null: on but
+    with ``kv_cache.offload``, which does not store it."""
 
     sink_block: bool | None = None
 

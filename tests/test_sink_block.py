@@ -74,17 +74,27 @@ def _run(cache, staging, step, meta, dtype, backend):
 LENS = [1, 16, 17, 40, 100]  # block 0 still staged, just full, then behind the own block
 
 
+def _triton() -> None:
+    from slimkv.kernels.triton import triton_unavailable_reason
+
+    if (reason := triton_unavailable_reason("cpu")) is not None:
+        pytest.skip(reason)
+
+
 @pytest.mark.usefixtures("fused_kernel")
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("backend", [None, "portable", "sdpa"])
+@pytest.mark.parametrize("backend", [None, "portable", "sdpa", "triton"])
 def test_each_decode_path_reads_the_sink_as_the_reference(backend, head_dim, monkeypatch):
+    if backend == "triton":
+        _triton()
     if backend == "portable":
         monkeypatch.setattr(kernels._KERNEL, "_loaded",
                             kernels.DecodeKernel(build.load(kernels.SOURCE), "paged_decode_portable"))
     cache, staging, step, meta = _step(LENS, head_dim)
     out, reference, attn = _run(cache, staging, step, meta, torch.float32,
                                 None if backend == "portable" else backend)
-    assert attn.path_counts == {"fast_decode" if backend == "sdpa" else "fused_decode": 1}
+    path = {"sdpa": "fast_decode", "triton": "triton_decode"}.get(backend, "fused_decode")
+    assert attn.path_counts == {path: 1}
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
 
 
@@ -107,10 +117,13 @@ def test_bfloat16_sink_rows_through_the_tiled_path_as_the_portable_loop(monkeypa
 
 
 @pytest.mark.parametrize("done, n", [(40, 20), (0, 40), (9, 30)])
-@pytest.mark.parametrize("backend", ["sdpa", "cpu"])
+@pytest.mark.parametrize("backend", ["sdpa", "cpu", "triton"])
 def test_prefill_chunks_read_the_sink_as_the_reference(backend, done, n):
     """A chunk after a full block 0, one that fills it and goes on, one that starts inside
-    it (torch path: dequantized prefix, block 0's rows replaced by the float ones)."""
+    it (torch paths: dequantized prefix, block 0's rows replaced by the float ones; Triton:
+    the sink block's rows read from the staging buffer)."""
+    if backend == "triton":
+        _triton()
     cache, staging, _, meta0 = _step([done + n], done=[done])
     gen = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(n, h, 64, generator=gen) for h in (HQ, H_KV, H_KV))
@@ -270,8 +283,10 @@ def test_offload_with_the_sink_is_refused_naming_both_keys(tmp_path):
     assert auto.runner.num_sink == 0
 
 
-@pytest.mark.parametrize("backend", [None, "sdpa"])
+@pytest.mark.parametrize("backend", [None, "sdpa", "triton"])
 def test_a_decode_that_fills_block_zero_keeps_it_and_the_next_reads_it(backend):
+    if backend == "triton":
+        _triton()
     """15 tokens prefilled, the 16th decoded (block 0 fills from the staging slot), then the
     17th: its block 0 comes from the float row, and the pool's quantized copy would differ."""
     cache, staging, _, meta = _step([17], done=[15])

@@ -101,8 +101,7 @@ class ModelRunner:
         # kv_cache.int4.sink_block (docs/kv-formats.md): a float block 0 per staging slot,
         # as many again for cached heads; their bytes come out of the same budget.
         int4 = "int4" in (self.k_dtype, self.v_dtype, *(kv.layer_dtypes or {}))
-        sink = (self.device.type != "cuda" and kv.offload is None if kv.int4.sink_block is None
-                else kv.int4.sink_block)
+        sink = kv.offload is None if kv.int4.sink_block is None else kv.int4.sink_block
         self.num_sink = 2 * self.num_staging_slots if int4 and sink and kv.paged else 0
         self.activation_bytes = activation_peak(
             args, self.dtype, self.device, k_dtype=self.k_dtype, v_dtype=self.v_dtype,
