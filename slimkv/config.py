@@ -101,17 +101,22 @@ class Int4Config:
     layers whose K (``rotate_k``) or V (``rotate_v``) is int4; other layers ignore them.
     ``group_size``: channels per scale and zero of per-token int4 (values; keys with
     ``k_scale: per_token``). ``rotate_k``/``rotate_v``: an orthonormal Hadamard on K and Q
-    after RoPE / on V and the attention output, which spreads channel outliers."""
+    after RoPE / on V and the attention output, which spreads channel outliers.
+    ``sink_block``: keep each sequence's first block at the model dtype ("The sink block");
+    null: on but with ``kv_cache.offload``, which does not store it."""
 
     group_size: int = INT4_GROUP
     rotate_k: bool = False
     rotate_v: bool = False
+    sink_block: bool | None = None
 
     def __post_init__(self) -> None:
         _check_choice(self.group_size, INT4_GROUP_SIZES, "kv_cache.int4.group_size")
         for key in ("rotate_k", "rotate_v"):
             _check(isinstance(getattr(self, key), bool), f"kv_cache.int4.{key}",
                    "must be true or false")
+        _check(isinstance(self.sink_block, (bool, type(None))), "kv_cache.int4.sink_block",
+               "must be true, false or null")
 
 
 @dataclass(slots=True)

@@ -99,17 +99,18 @@ def model_weight_bytes(args: ModelArgs, dtype: torch.dtype, bits: int | None = N
                        for name, t in tensors))
 
 
-def bits_per_element(context: int, **shape: Any) -> float:
+def bits_per_element(context: int, sink_bytes: int = 0, **shape: Any) -> float:
     """Stored bits per K/V element of one sequence of ``context`` tokens in the layout
     ``shape`` (:meth:`PagedKVCache.block_bytes`'s arguments, ``int4_group_size`` included):
     its whole blocks, i.e. the data, the per-token scales and zeros and the per-block ones
     amortised over the block's tokens, and the last block's unused tail; K and V averaged.
     E.g. int4 at head_dim 64, blocks of 16 and a context of whole blocks: per-token groups
     of 32 5.0, of 64 4.5; per-channel-block keys 6.0 (4 + a float16 scale and zero per
-    channel over 16 tokens), so with group-32 values 5.5."""
+    channel over 16 tokens), so with group-32 values 5.5. ``sink_bytes``: the sequence's
+    float sink block, held on top of its pool blocks (the int4 sink)."""
     blocks = cdiv(context, shape["block_size"])
     elements = 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * context
-    return 8 * blocks * PagedKVCache.block_bytes(**shape) / elements
+    return 8 * (blocks * PagedKVCache.block_bytes(**shape) + sink_bytes) / elements
 
 
 @dataclass(slots=True)
@@ -174,18 +175,39 @@ def _row(args: ModelArgs, kv: str, budget: int, block_size: int, context: int,
          sessions: int, k_scale: str, dtype: torch.dtype,
          int4_group_size: int = INT4_GROUP) -> KVRow:
     """One dtype's capacity; a staged layout sets aside a staging block per session (+1
-    for scoring), as the engine does."""
+    for scoring), as the engine does, and int4 its sink blocks (:func:`sink_blocks`)."""
     shape = dict(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
                  head_dim=args.head_dim, k_dtype=kv, v_dtype=kv, k_scale=k_scale,
                  int4_group_size=int4_group_size)
     staged = Staging.needed(kv, kv, args.head_dim, k_scale)
+    sinks = sink_blocks(kv, sessions + 1) if staged else 0
     staging = Staging.bytes(args.num_layers, args.num_kv_heads, args.head_dim, block_size,
-                            sessions + 1, dtype) if staged else 0
-    blocks = PagedKVCache.num_blocks_for_budget(budget, staging, **shape, block_size=block_size)
+                            sessions + 1 + sinks, dtype) if staged else 0
+    blocks = PagedKVCache.num_blocks_for_budget(budget, staging, **shape,
+                                                block_size=block_size) - sinks
     return KVRow(kv, PagedKVCache.bytes_per_token(**shape, block_size=block_size),
-                 bits_per_element(context, **shape, block_size=block_size), blocks,
+                 bits_per_element(context, sinks and Staging.bytes(
+                     args.num_layers, args.num_kv_heads, args.head_dim, block_size, 1, dtype),
+                     **shape, block_size=block_size), blocks,
                  max_sessions=blocks // cdiv(context, block_size),
                  context_at_sessions=blocks // sessions * block_size)
+
+
+def sink_blocks(kv: str, num_staging_slots: int, sink_block: bool = True) -> int:
+    """Blocks of the float sink region (``kv_cache.int4.sink_block``, docs/kv-formats.md):
+    two per staging slot, as the engine sizes it (slimkv/engine/runner.py), each taking a
+    float block in the staging buffer and a pool block's bytes."""
+    return 2 * num_staging_slots if kv == "int4" and sink_block else 0
+
+
+def sink_bytes_per_sequence(args: ModelArgs, kv: str, block_size: int, k_scale: str,
+                            dtype: torch.dtype) -> int:
+    """What the sink costs per running sequence (its two blocks: capacity counts)."""
+    shape = dict(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
+                 head_dim=args.head_dim, k_dtype=kv, v_dtype=kv, k_scale=k_scale)
+    per_block = (Staging.bytes(args.num_layers, args.num_kv_heads, args.head_dim, block_size, 1,
+                               dtype) + PagedKVCache.block_bytes(**shape, block_size=block_size))
+    return sink_blocks(kv, 1) * per_block
 
 
 def format_plan(p: Plan, selected: str | None = None) -> str:

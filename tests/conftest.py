@@ -39,7 +39,7 @@ API_KEY = "test-key"
 def fused_kernel() -> None:
     """Skip a test that needs the fused C decode kernel where it cannot be built (no C
     compiler): the engine then decodes on SDPA and reports why, which is not a failure."""
-    from slimkv.kernels import kernel_unavailable_reason
+    from slimkv.backends.cpu_decode import kernel_unavailable_reason
 
     reason = kernel_unavailable_reason()
     if reason is not None:

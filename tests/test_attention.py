@@ -150,7 +150,7 @@ def test_quantized_kv_fast_matches_reference(dtype: str, v_dtype: str | None) ->
 def test_every_backend_equals_the_reference(backend: str, dtype: str, v_dtype: str | None) -> None:
     """Each backend chosen by name, one mixed step (decodes, fresh and prefixed prefill
     chunks), against the reference backend: the paths it counts are its own."""
-    from slimkv.kernels import kernel_unavailable_reason
+    from slimkv.backends.cpu_decode import kernel_unavailable_reason
 
     if backend == "cpu" and kernel_unavailable_reason() is not None:
         pytest.skip(kernel_unavailable_reason())

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from slimkv.cli import main
-from slimkv.kernels import SOURCE
+from slimkv.backends.cpu_decode import SOURCE
 from slimkv.kernels.prefill_attn import prefill_kernel_unavailable_reason
 
 KERNELS = SOURCE.parent

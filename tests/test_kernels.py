@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slimkv import kernels
+from slimkv.backends import cpu_decode as kernels
 from slimkv.kernels import build
 from slimkv.attention.layer import PagedAttention
 from slimkv.backends import KERNELS

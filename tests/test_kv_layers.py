@@ -135,7 +135,9 @@ def test_engine_with_a_mix_generates() -> None:
     assert engine.runner.bytes_per_token == PagedKVCache.bytes_per_token(
         **SHAPE, k_dtype="int4", v_dtype="int4", k_scale=config.kv_cache.k_scale,
         layer_dtypes=config.kv_cache.layer_dtypes)
-    assert engine.runner.cache.nbytes == 64 * engine.runner.cache.bytes_per_block
+    # The sink region's ids (kv_cache.int4.sink_block, on with an int4 layer) come on top.
+    assert engine.runner.num_sink > 0 and engine.pool.num_blocks == 64
+    assert engine.runner.cache.nbytes == (64 + engine.runner.num_sink) * engine.runner.cache.bytes_per_block
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     [result] = llm.generate("The capital of France is", params)
     assert len(result.token_ids) == 20

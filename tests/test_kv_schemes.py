@@ -168,7 +168,7 @@ def test_every_backend_equals_the_reference_on_a_staged_cache(name: str, backend
 
 
 def _skip_unavailable(backend: str) -> None:
-    from slimkv.kernels import kernel_unavailable_reason
+    from slimkv.backends.cpu_decode import kernel_unavailable_reason
 
     if backend == "cpu" and kernel_unavailable_reason() is not None:
         pytest.skip(kernel_unavailable_reason())

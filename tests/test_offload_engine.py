@@ -81,7 +81,8 @@ KV_FORMATS = {
     "int8": {},
     "bf16": {"dtype": "bfloat16"},
     "int4": {"dtype": "int4", "k_scale": "per_token"},
-    "mix": {"layer_dtypes": {"float16": [0, 1], "int4": [2, 29]}},
+    # The tier keeps no float sink block: the reference without the tier keeps none either.
+    "mix": {"layer_dtypes": {"float16": [0, 1], "int4": [2, 29]}, "int4": {"sink_block": False}},
 }
 
 

@@ -44,7 +44,8 @@ class SdpaBackend(AttentionBackend):
     def decode(self, layer: int, q: Tensor, plan: DecodePlan, out: Tensor) -> None:
         """All single-token queries at once; the key-padding mask comes from seq_lens. A
         staged cache's last blocks come from the staging slots."""
-        k, v = self.cache.read_prefix(layer, plan.block_tables, plan.max_len, self.dtype)
+        k, v = (self.staging or self.cache).read_prefix(layer, plan.block_tables, plan.max_len,
+                                                         self.dtype)  # block 0 a float sink
         if self.staging is not None:
             self.staging.overlay(layer, k, v, plan.staging_slots, plan.last_block)
         mask = context_mask(plan.seq_lens, 1, k.shape[1])
@@ -54,8 +55,8 @@ class SdpaBackend(AttentionBackend):
                 meta: AttentionMetadata) -> Tensor:
         """The chunk in the pieces the step's metadata planned, over a dequantized copy of
         its pool blocks (planned here only for a step built otherwise: tests)."""
-        k, v = self.cache.read_prefix(layer, meta.block_tables[chunk.seq:chunk.seq + 1],
-                                      chunk.seq_len, self.dtype)
+        k, v = (self.staging or self.cache).read_prefix(
+            layer, meta.block_tables[chunk.seq:chunk.seq + 1], chunk.seq_len, self.dtype)
         return prefill.run(self.pieces(q, chunk, staged, meta), q, k[0], v[0], staged,
                            self.scale)
 

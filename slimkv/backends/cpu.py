@@ -32,7 +32,7 @@ from slimkv.backends.cpu_kv import KINDS as KV_KINDS
 from slimkv.backends.cpu_kv import CpuPoolWriter, int8_mode, kv_blocks_kernel
 from slimkv.backends.cpu_stage import KINDS, stage_kernel
 from slimkv.backends.cpu_step import LeanStep, hadamard_kernel
-from slimkv.kernels import KVSide, decode_kernel, describe, kernel_unavailable_reason
+from slimkv.backends.cpu_decode import KVSide, decode_kernel, describe, kernel_unavailable_reason
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.quant import FloatCodec
 from slimkv.kv.staging import StagedKV
@@ -55,6 +55,9 @@ class CpuBackend(SdpaBackend):
         self.sides: list[tuple[KVSide, KVSide]] = [
             tuple(describe(cache.layer_codecs[layer][side], cache.layer_pool(side, layer))
                   for side in ("k", "v")) for layer in range(cache.num_layers)]
+        if staging is not None and staging.num_sink:  # ids the kernel reads at float
+            for side in (s for pair in self.sides for s in pair):
+                side.sink_from, side.sink_shift = staging.sink_from, staging.sink_shift
         lean = dtype in KINDS and (
             staging.buffer.dtype == dtype if staging is not None else
             all(isinstance(c, FloatCodec) and c.storage_dtype == dtype for c in cache.all_codecs()))
@@ -102,6 +105,9 @@ class CpuBackend(SdpaBackend):
         ids = meta.block_tables[chunk.seq, :cdiv(pool, self.cache.block_size)]
         k, v = (self.blocks.read(self.cache.layer_pool(side, layer), mode, ids, self.dtype, rows)
                 for side, mode in zip(("k", "v"), modes))
+        if self.staging is not None and self.staging.num_sink and len(ids):  # block 0 at float
+            bs, row = self.cache.block_size, ids[0] + self.staging.sink_shift
+            k[:bs], v[:bs] = self.staging.buffer[:, layer, row].to(self.dtype)
         out = torch.empty_like(q)
         for p in reversed(pieces):  # pool keys grow piece by piece
             n = p.num_pool_keys
@@ -145,5 +151,5 @@ class CpuBackend(SdpaBackend):
         """After that step: filled blocks into the pool (its kernel read them from the
         staging slots)."""
         if self.staging is not None:
-            self.staging.store_filled_all_layers(plan.staging_slots, plan.last_block_id,
+            self.staging.store_filled(None, plan.staging_slots, plan.last_block_id,
                                                  plan.filled)

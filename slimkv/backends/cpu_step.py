@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from slimkv.kernels import SOURCE as DECODE_SOURCE
+from slimkv.backends.cpu_decode import SOURCE as DECODE_SOURCE
 from slimkv.backends import cpu_stage as stage
 from slimkv.kernels import build, qgemm
 from slimkv.kernels.qgemm import PRECISE, RMSNORM, SILU_MUL

@@ -32,6 +32,10 @@ class TritonBackend(AttentionBackend):
         cache = self.cache
         cache.writer = TritonPoolWriter(cache)
         self.kernel, self._prefill = TritonDecode(), paged_prefill
+        # Where the cache keeps block 0 at float: the ids the kernels read from the staging
+        # buffer instead of the pool (docs/kv-formats.md, "The sink block").
+        staging = self.staging
+        self.sink = (staging.sink_from, staging.sink_shift) if staging and staging.num_sink else None
         self.sides = [tuple(describe(cache.layer_codecs[layer][side], cache.layer_pool(side, layer))
                             for side in ("k", "v")) for layer in range(cache.num_layers)]
 
@@ -40,9 +44,11 @@ class TritonBackend(AttentionBackend):
                                                     plan.staging_slots)
         out[plan.rows] = self.kernel(q[plan.rows].float(), plan.block_tables, plan.seq_lens,
                                      *self.sides[layer], self.cache.num_kv_heads,
-                                     self.cache.block_size, self.scale, staged).to(self.dtype)
+                                     self.cache.block_size, self.scale, staged,
+                                     self.sink).to(self.dtype)
 
     def prefill(self, layer: int, q: Tensor, chunk: PrefillChunk, staged: StagedKV | None,
                 meta: AttentionMetadata) -> Tensor:
+        sink = self.sink and (*self.staging.layer_buffers(layer), *self.sink)
         return self._prefill(q, meta.block_tables[chunk.seq], chunk.seq_len, *self.sides[layer],
-                             staged, self.scale)
+                             staged, self.scale, sink=sink)

@@ -39,7 +39,7 @@ from slimkv.bench.kernels import decode_setup, prefill_cases
 from slimkv.bench.timing import dtype_name, environment, interleaved, ratio, summary
 from slimkv.config import Config
 from slimkv.engine.llm_engine import LLMEngine
-from slimkv.kernels import DecodeKernel
+from slimkv.backends.cpu_decode import DecodeKernel
 from slimkv.kernels.build import FLAGS, compiler, load
 from slimkv.kernels.prefill_attn import PrefillKernel
 from slimkv.plugins import build_engine

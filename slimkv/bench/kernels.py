@@ -42,7 +42,7 @@ from torch import Tensor
 from slimkv.attention import prefill
 from slimkv.bench.soak_server import rss_bytes
 from slimkv.bench.timing import environment, interleaved, ms_of, summary
-from slimkv.kernels import decode_kernel, describe
+from slimkv.backends.cpu_decode import decode_kernel, describe
 from slimkv.kernels.prefill_attn import prefill_kernel
 from slimkv.kernels.qgemm import PLAIN, PRECISE, pack, qgemm_kernel
 from slimkv.kv.cache import PagedKVCache

@@ -56,7 +56,7 @@ def environment(dtype: torch.dtype | None = None) -> dict[str, Any]:
     the same), and why any native kernel is missing."""
     from slimkv.backends.cpu_kv import kv_blocks_unavailable_reason
     from slimkv.engine.runner import resolve_dtype
-    from slimkv.kernels import kernel_unavailable_reason
+    from slimkv.backends.cpu_decode import kernel_unavailable_reason
     from slimkv.kernels.prefill_attn import prefill_kernel_unavailable_reason
     from slimkv.kernels.qgemm import qgemm_unavailable_reason
 

@@ -55,8 +55,8 @@ class LLMEngine:
         self.model_name = config.model.name or self.tokenizer.name
         self.max_model_len = self.runner.max_model_len
         kv = config.kv_cache
-        self.pool = BlockPool(self.runner.cache.num_blocks,
-                              kv.enable_prefix_caching and kv.paged, kv.evict_policy)
+        self.pool = BlockPool(self.runner.cache.num_blocks, kv.enable_prefix_caching and kv.paged,
+                              kv.evict_policy, self.runner.num_sink)
         opts = dict(session_ttl_s=kv.session_ttl_s,
                     num_staging_slots=self.runner.num_staging_slots)
         self.manager = (KVCacheManager(self.pool, kv.block_size, **opts) if kv.paged else

@@ -99,6 +99,11 @@ class ModelRunner:
                                 kv.layer_dtypes)
         # One staging slot per running sequence, plus one for score().
         self.num_staging_slots = kv.max_concurrency_soft + 1 if staged else 0
+        # kv_cache.int4.sink_block (docs/kv-formats.md): a float block 0 per staging slot,
+        # as many again for cached heads; their bytes come out of the same budget.
+        int4 = "int4" in (self.k_dtype, self.v_dtype, *(kv.layer_dtypes or {}))
+        sink = kv.offload is None if kv.int4.sink_block is None else kv.int4.sink_block
+        self.num_sink = 2 * self.num_staging_slots if int4 and sink and kv.paged else 0
         self.activation_bytes = activation_peak(
             args, self.dtype, self.device, k_dtype=self.k_dtype, v_dtype=self.v_dtype,
             k_scale=kv.k_scale, block_size=kv.block_size,
@@ -107,7 +112,8 @@ class ModelRunner:
             layer_dtypes=kv.layer_dtypes)
         self.cache = PagedKVCache(num_blocks=self._num_blocks(shape), block_size=kv.block_size,
                                   device=self.device, **shape)
-        self.staging = Staging(self.cache, self.num_staging_slots, self.dtype) if staged else None
+        self.staging = (Staging(self.cache, self.num_staging_slots, self.dtype, self.num_sink)
+                        if staged else None)
         # V's rotation is free where the loader folded it into dense weights (model_io).
         rotate = (kv.int4.rotate_k, kv.int4.rotate_v and not getattr(self.model, "v_rotated", 0))
         self.attention = PagedAttention(self.cache, args.num_heads, args.head_dim ** -0.5,
@@ -132,15 +138,15 @@ class ModelRunner:
         """``kv_cache.num_blocks``, or what ``memory_gb`` (unset on CUDA: the share
         ``memory_fraction`` of the device leaves) holds once staging is set aside."""
         kv = self.config.kv_cache
-        if kv.num_blocks:
-            return kv.num_blocks
+        if kv.num_blocks:  # the sink region's ids after them
+            return kv.num_blocks + self.num_sink
         staging = Staging.bytes(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"],
-                                kv.block_size, self.num_staging_slots, self.dtype)
+                                kv.block_size, self.num_staging_slots + self.num_sink, self.dtype)
         budget = (int(kv.memory_gb * GiB) if kv.memory_gb is not None else
                   device_kv_budget(self.device, kv.memory_fraction, self.activation_bytes))
         num_blocks = PagedKVCache.num_blocks_for_budget(budget, staging, **shape,
                                                         block_size=kv.block_size)
-        if num_blocks < 1:
+        if num_blocks <= self.num_sink:
             raise ValueError(f"kv_cache.memory_gb={kv.memory_gb} (a budget of {budget} bytes) "
                              f"holds no {kv.block_size}-token block")
         return num_blocks
@@ -149,7 +155,7 @@ class ModelRunner:
         """Bytes of the weights, the KV pool, its staging blocks, and the activation peak of
         the largest step (measured at start-up, see :func:`slimkv.engine.memory.activation_peak`)."""
         return {"weights": weight_bytes(self.model), "kv_cache": self.cache.nbytes,
-                "kv_staging": self.staging.nbytes if self.staging else 0,
+                "kv_staging": self.staging.buffer.nbytes if self.staging else 0,
                 "activations": self.activation_bytes}
 
     # -- one step ----------------------------------------------------------------------

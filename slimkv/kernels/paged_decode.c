@@ -4,7 +4,7 @@
  * pool: each 16-token block is decoded one token-head row at a time into a 64-float buffer
  * that stays in L1, so no float copy of a sequence's cache is ever materialised and the
  * memory traffic is the stored bytes (1 byte per value for int8/fp8, half for int4).
- * Softmax and accumulation are float32. Built by slimkv/kernels/__init__.py with the
+ * Softmax and accumulation are float32. Built by slimkv/kernels/build.py (glue: slimkv/backends/cpu_decode.py) with the
  * system C compiler and called through ctypes (which releases the GIL).
  *
  * With AVX-512 (F/BW/DQ/VL) and a head dim that is a multiple of 16 up to 256, paged_decode
@@ -51,6 +51,8 @@ typedef struct {
     int32_t scale_mode;
     int32_t groups;        /* per-token scale groups along D (1 for 8-bit, D/32 for int4) */
     int32_t width;         /* stored elements per token-head */
+    int64_t sink_from;     /* first id of the float sink region (INT64_MAX: none), staged_row */
+    int64_t sink_shift;    /* staging row of sink id b: b + sink_shift */
 } kv_side;
 
 typedef union {
@@ -190,6 +192,15 @@ static inline __attribute__((always_inline)) void load_staged(const kv_side *s, 
     }
 }
 
+/* The staging row block j is read from at full precision, or -1 for the pool: the own
+ * block's slot, or the float row of an id in the sink region (a sequence's block 0, kept at
+ * the model dtype: docs/kv-formats.md). One branch per block, no copy. */
+static inline __attribute__((always_inline)) int64_t
+staged_row(const kv_side *s, const int64_t *table, int j, int own, int64_t slot) {
+    if (j == own) return slot;
+    return table[j] >= s->sink_from ? table[j] + s->sink_shift : -1;
+}
+
 /* exp(x) for x <= 0 (Cephes' expf polynomial, ~1 ulp), written to vectorise. */
 static inline __attribute__((always_inline)) float exp_nonpos(float x) {
     x = x < -87.0f ? -87.0f : x;
@@ -235,9 +246,11 @@ attend(const float *qh, float *o, int64_t L, const int64_t *table, int own, int6
         for (int d = 0; d < D; d++) qp[g * D + permuted(d, k_u4, D)] = qh[g * D + d] * sm_scale;
     for (int j = 0; j < nblocks; j++) {
         int n = (int)(L - (int64_t)j * bs < bs ? L - (int64_t)j * bs : bs);
+        int64_t js = staged_row(k, table, j, own, slot);
+        int oj = js >= 0 ? j : -1; /* j itself where staged */
         const float *qk = qp;
         for (int g = 0; g < G; g++) bias[g] = 0.0f;
-        if (j != own && fold) { /* q.(raw * s + z) = (q * s).raw + q.z */
+        if (j != oj && fold) { /* q.(raw * s + z) = (q * s).raw + q.z */
             load_block_scale(k, table[j], h, H, D, bsc, bz);
             for (int g = 0; g < G; g++) {
                 for (int d = 0; d < D; d++) qs[g * D + d] = qp[g * D + d] * bsc[d];
@@ -247,7 +260,7 @@ attend(const float *qh, float *o, int64_t L, const int64_t *table, int own, int6
         }
         for (int t = 0; t < n; t++) {
             float sc = 1.0f, *out = scores + j * bs + t;
-            if (j != own && k->kind == KIND_I8 && (fold || k->scale_mode == SCALE_TOKEN)) {
+            if (j != oj && k->kind == KIND_I8 && (fold || k->scale_mode == SCALE_TOKEN)) {
                 /* int8 keys straight from the pool, no row buffer */
                 size_t token = ((size_t)table[j] * bs + t) * H + h;
                 const int8_t *r = (const int8_t *)k->data + token * D;
@@ -255,7 +268,7 @@ attend(const float *qh, float *o, int64_t L, const int64_t *table, int own, int6
                 for (int g = 0; g < G; g++) out[g * L] = dot_i8(qk + g * D, r, D) * sc + bias[g];
                 continue;
             }
-            if (j == own) load_staged(k, own_k, own_kind, slot, t, h, H, bs, D, row);
+            if (j == oj) load_staged(k, own_k, own_kind, js, t, h, H, bs, D, row);
             else sc = load_row(k, table[j], t, h, H, bs, D, fold, bsc, bz, row);
             for (int g = 0; g < G; g++) out[g * L] = dot(qk + g * D, row, D) * sc + bias[g];
         }
@@ -275,10 +288,12 @@ attend(const float *qh, float *o, int64_t L, const int64_t *table, int own, int6
     memset(acc, 0, sizeof(float) * G * D);
     for (int j = 0; j < nblocks; j++) {
         int n = (int)(L - (int64_t)j * bs < bs ? L - (int64_t)j * bs : bs);
-        if (j != own) load_block_scale(v, table[j], h, H, D, bsc, bz);
+        int64_t js = staged_row(v, table, j, own, slot);
+        int oj = js >= 0 ? j : -1;
+        if (j != oj) load_block_scale(v, table[j], h, H, D, bsc, bz);
         for (int t = 0; t < n; t++) {
             float sc = 1.0f;
-            if (j != own && v->kind == KIND_I8 && v->scale_mode == SCALE_TOKEN) {
+            if (j != oj && v->kind == KIND_I8 && v->scale_mode == SCALE_TOKEN) {
                 size_t token = ((size_t)table[j] * bs + t) * H + h;
                 const int8_t *r = (const int8_t *)v->data + token * D;
                 sc = (float)v->scale[token];
@@ -289,7 +304,7 @@ attend(const float *qh, float *o, int64_t L, const int64_t *table, int own, int6
                 }
                 continue;
             }
-            if (j == own) load_staged(v, own_v, own_kind, slot, t, h, H, bs, D, row);
+            if (j == oj) load_staged(v, own_v, own_kind, js, t, h, H, bs, D, row);
             else sc = load_row(v, table[j], t, h, H, bs, D, 0, bsc, bz, row);
             for (int g = 0; g < G; g++) {
                 float p = scores[g * L + j * bs + t] * sc;

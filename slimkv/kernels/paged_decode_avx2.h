@@ -283,14 +283,16 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
         for (int d = 0; d < D; d++) qp[i * D + permuted(d, k_u4, D)] = q[i * D + d] * sm_scale;
     for (int j = j0; j < j1; j++) { /* scores */
         int nj = (int)(L - (int64_t)j * bs < bs ? L - (int64_t)j * bs : bs), jv = j - j1 + PREFETCH + j0;
+        int64_t js = staged_row(k, table, j, own, slot); /* staged: own block or sink */
+        int oj = js >= 0 ? j : -1;
         for (int h = 0; h < H; h++) {
             if (j + PREFETCH < j1 && j + PREFETCH != own)
                 prefetch_block(k, table[j + PREFETCH], kspan + h);
             else if (jv >= j0 && jv != own) /* P.V's first */
                 prefetch_block(v, table[jv], vspan + h);
             const float *qk = qp + h * G * D;
-            int zeroed = j != own && fold && k->zero;
-            if (j != own && fold) { /* q.(raw * s + z) = (q * s).raw + q.z, in one pass */
+            int zeroed = j != oj && fold && k->zero;
+            if (j != oj && fold) { /* q.(raw * s + z) = (q * s).raw + q.z, in one pass */
                 block_scale(k, table[j], h, H, D, bsc, bz);
                 for (int g = 0; g < G; g++) {
                     __m256 z = _mm256_setzero_ps();
@@ -305,7 +307,7 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
             }
             for (int t0 = 0; t0 < nj; t0 += TILE) {
                 int nt = nj - t0 < TILE ? nj - t0 : TILE;
-                load_tile(k, table, j, own, own_k, own_kind, slot, t0, nt, h, H, bs, D, fold,
+                load_tile(k, table, j, oj, own_k, own_kind, js, t0, nt, h, H, bs, D, fold,
                           bsc, bz, tile, rsc);
                 tile_scores(qk, zeroed ? qz : NULL, G, D, tile, rsc, nt,
                             scores + h * G * n + (int64_t)j * bs - base + t0, n);
@@ -315,14 +317,16 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
     for (int i = 0; i < H * G; i++) m[i] = softmax_numerators(scores + i * n, n, sum + i);
     memset(acc, 0, sizeof(float) * H * G * D);
     for (int j = j0; j < j1; j++) { /* P.V */
+        int64_t js = staged_row(v, table, j, own, slot);
+        int oj = js >= 0 ? j : -1;
         int nj = (int)(L - (int64_t)j * bs < bs ? L - (int64_t)j * bs : bs);
         for (int h = 0; h < H; h++) {
             if (j + PREFETCH < j1 && j + PREFETCH != own)
                 prefetch_block(v, table[j + PREFETCH], vspan + h);
-            if (j != own) block_scale(v, table[j], h, H, D, bsc, bz);
+            if (j != oj) block_scale(v, table[j], h, H, D, bsc, bz);
             for (int t0 = 0; t0 < nj; t0 += TILE) {
                 int nt = nj - t0 < TILE ? nj - t0 : TILE;
-                load_tile(v, table, j, own, own_v, own_kind, slot, t0, nt, h, H, bs, D, 0, bsc,
+                load_tile(v, table, j, oj, own_v, own_kind, js, t0, nt, h, H, bs, D, 0, bsc,
                           bz, tile, rsc);
                 tile_values(scores + h * G * n + (int64_t)j * bs - base + t0, n, G, D, tile,
                             rsc, nt, acc + h * G * D);

@@ -540,14 +540,16 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
         for (int d = 0; d < D; d++) qp[i * D + permuted(d, k_u4, D)] = q[i * D + d] * sm_scale;
     for (int j = j0; j < j1; j++) { /* scores */
         int nj = (int)(L - (int64_t)j * bs < bs ? L - (int64_t)j * bs : bs), jv = j - j1 + PREFETCH + j0;
+        int64_t js = staged_row(k, table, j, own, slot); /* staged: own block or sink */
+        int oj = js >= 0 ? j : -1;
         for (int h = 0; h < H; h++) {
             if (j + PREFETCH < j1 && j + PREFETCH != own)
                 prefetch_block(k, table[j + PREFETCH], kspan + h);
             else if (jv >= j0 && jv != own) /* P.V's first */
                 prefetch_block(v, table[jv], vspan + h);
             const float *qk = qp + h * G * D;
-            int zeroed = j != own && fold && k->zero;
-            if (j != own && direct_k) {
+            int zeroed = j != oj && fold && k->zero;
+            if (j != oj && direct_k) {
                 if (fold) block_scale(k, table[j], h, H, D, bsc, bz, zeroed);
                 for (int t0 = 0; t0 < nj; t0 += TILE)
                     scores_from_pool(k, qk, fold ? bsc : NULL, zeroed ? bz : NULL, G, D,
@@ -556,7 +558,7 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
                                      scores + h * G * n + (int64_t)j * bs - base + t0, n);
                 continue;
             }
-            if (j != own && fold) { /* q.(raw * s + z) = (q * s).raw + q.z */
+            if (j != oj && fold) { /* q.(raw * s + z) = (q * s).raw + q.z */
                 block_scale(k, table[j], h, H, D, bsc, bz, 0);
                 for (int g = 0; g < G; g++)
                     for (int d = 0; d < D; d++) qs[g * D + d] = qk[g * D + d] * bsc[d];
@@ -575,7 +577,7 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
             }
             for (int t0 = 0; t0 < nj; t0 += TILE) {
                 int nt = nj - t0 < TILE ? nj - t0 : TILE;
-                load_tile(k, table, j, own, own_k, own_kind, slot, t0, nt, h, H, bs, D, fold,
+                load_tile(k, table, j, oj, own_k, own_kind, js, t0, nt, h, H, bs, D, fold,
                           bsc, bz, tile, rsc, 0);
                 tile_scores(qk, zeroed ? qz : NULL, G, D, tile, rsc, nt,
                             scores + h * G * n + (int64_t)j * bs - base + t0, n);
@@ -586,7 +588,9 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
     memset(acc, 0, sizeof(float) * H * G * D);
     memset(zacc, 0, sizeof(zacc));
     for (int j = j0; j < j1; j++) { /* P.V */
-        int nj = (int)(L - (int64_t)j * bs < bs ? L - (int64_t)j * bs : bs), split = grouped && j != own;
+        int64_t js = staged_row(v, table, j, own, slot);
+        int oj = js >= 0 ? j : -1;
+        int nj = (int)(L - (int64_t)j * bs < bs ? L - (int64_t)j * bs : bs), split = grouped && j != oj;
         for (int t0 = 0; t0 < nj; t0 += TILE) {
             int nt = nj - t0 < TILE ? nj - t0 : TILE;
             if (split) group_scales(v, ((size_t)table[j] * bs + t0) * H, nt, H, gsc, gz);
@@ -594,14 +598,14 @@ attend_part(const float *q, int64_t L, const int64_t *table, int own, int64_t sl
                 if (t0 == 0 && j + PREFETCH < j1 && j + PREFETCH != own)
                     prefetch_block(v, table[j + PREFETCH], vspan + h);
                 const float *p = scores + h * G * n + (int64_t)j * bs - base + t0;
-                if (j != own && direct_v) {
+                if (j != oj && direct_v) {
                     values_from_pool(v, p, n, G, D, ((size_t)table[j] * bs + t0) * H + h, h, nt,
                                      H, rsc, gsc + h * ng * TILE, gz + h * ng * TILE,
                                      acc + h * G * D, zacc + h * G * ng * TILE);
                     continue;
                 }
-                if (j != own) block_scale(v, table[j], h, H, D, bsc, bz, 1);
-                load_tile(v, table, j, own, own_v, own_kind, slot, t0, nt, h, H, bs, D, 0, bsc,
+                if (j != oj) block_scale(v, table[j], h, H, D, bsc, bz, 1);
+                load_tile(v, table, j, oj, own_v, own_kind, js, t0, nt, h, H, bs, D, 0, bsc,
                           bz, tile, rsc, split);
                 const float *hs = gsc + h * ng * TILE, *hz = gz + h * ng * TILE;
                 float *za = zacc + h * G * ng * TILE;

@@ -111,9 +111,13 @@ class BlockPool:
     """All blocks of the pool with ref counts, a prefix-cache index and free queues."""
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
-                 evict_policy: str = "lru_block") -> None:
+                 evict_policy: str = "lru_block", num_sink: int = 0) -> None:
+        # The last num_sink of the num_blocks ids are the float sink region (docs/kv-formats.md):
+        # their own free queue serves every sequence's block 0, the rest all other blocks.
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.num_sink, self.sink_from = num_sink, num_blocks - num_sink
+        self.free_queue = FreeBlockQueue(self.blocks[:self.sink_from])
+        self.sink_queue = FreeBlockQueue(self.blocks[self.sink_from:])
         self.protected = FreeBlockQueue()
         self.cached: dict[BlockHash, Block] = {}
         self.enable_caching = enable_caching
@@ -124,7 +128,8 @@ class BlockPool:
 
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks)
+        """Blocks outside the sink region (what admission and usage count)."""
+        return self.sink_from
 
     @property
     def num_free_blocks(self) -> int:
@@ -139,13 +144,15 @@ class BlockPool:
         self._clock += 1
         return self._clock
 
-    def get_new_blocks(self, n: int) -> list[Block]:
-        """Hand out ``n`` empty blocks, evicting the cached content of reused ones."""
-        if n > self.num_free_blocks:
+    def get_new_blocks(self, n: int, sink: bool = False) -> list[Block]:
+        """Hand out ``n`` empty blocks, evicting the cached content of reused ones; with
+        ``sink``, the first from the sink region."""
+        if n - sink > self.num_free_blocks:
             raise ValueError(f"asked for {n} blocks, {self.num_free_blocks} free")
         out = []
-        for _ in range(n):
-            queue = self.free_queue if len(self.free_queue) else self.protected
+        for i in range(n):
+            queue = (self.sink_queue if sink and not i else
+                     self.free_queue if len(self.free_queue) else self.protected)
             block = queue.popleft()
             self._evict(block)
             block.ref_cnt = 1
@@ -161,7 +168,7 @@ class BlockPool:
         now = self.tick()
         for block in blocks:
             if block.ref_cnt == 0:
-                (self.protected if block.session_head is not None else self.free_queue).remove(block)
+                self._queue(block).remove(block)
             block.ref_cnt += 1
             block.last_used = now
 
@@ -181,12 +188,11 @@ class BlockPool:
             block.last_used = now
             if block.ref_cnt > 0:
                 continue
-            if block.session_head is not None:
-                self.protected.append(block)
-            elif self.evict_policy == "fifo":
-                self.free_queue.insert_by_alloc_seq(block)
+            queue = self._queue(block)
+            if queue is self.free_queue and self.evict_policy == "fifo":
+                queue.insert_by_alloc_seq(block)
             else:
-                self.free_queue.append(block)
+                queue.append(block)
 
     def set_session_head(self, blocks: Iterable[Block], session: Hashable | None) -> None:
         """Mark (or with ``None`` unmark) blocks as the head of a live session."""
@@ -196,12 +202,16 @@ class BlockPool:
             if block.session_head == session:
                 continue
             if block.ref_cnt == 0:
-                old = self.protected if block.session_head is not None else self.free_queue
-                old.remove(block)
+                self._queue(block).remove(block)
                 block.session_head = session
-                (self.protected if session is not None else self.free_queue).append(block)
+                self._queue(block).append(block)
             else:
                 block.session_head = session
+
+    def _queue(self, block: Block) -> FreeBlockQueue:
+        """The free queue a block joins at ref count 0 (sink blocks: the sink's, always)."""
+        return (self.sink_queue if block.block_id >= self.sink_from else
+                self.protected if block.session_head is not None else self.free_queue)
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:

@@ -195,8 +195,7 @@ class PagedKVCache:
 
     def read(self, layer: int, block_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Dequantized K and V of the given blocks: ``[..., n] -> [..., n * block_size, H, D]``."""
-        k, v = (self._read_side(side, layer, block_ids, dtype) for side in _SIDES)
-        return k, v
+        return tuple(self._read_side(side, layer, block_ids, dtype) for side in _SIDES)
 
     def read_prefix(self, layer: int, block_tables: Tensor, num_tokens: int,
                     dtype: torch.dtype) -> tuple[Tensor, Tensor]:

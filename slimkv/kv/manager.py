@@ -89,7 +89,8 @@ class KVCacheManager:
             seq.num_cached_tokens = len(computed) * self.block_size
         need = self.num_blocks_needed(seq, num_new_tokens)
         if need:   # most decode steps need none: skip the pool (hot in the simulator)
-            seq.blocks.extend(self.pool.get_new_blocks(need))
+            # Block 0 from the sink region, which holds a block per staging slot at least.
+            seq.blocks.extend(self.pool.get_new_blocks(need, self.pool.num_sink > 0 and not seq.blocks))
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Index the blocks whose tokens are all computed by their chained hash; each block

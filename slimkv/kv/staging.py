@@ -13,7 +13,9 @@ before its own through the quantized pool and its own block at full precision (f
 staging slot for a decode; for a prefill chunk, from :class:`StagedKV`, the chunk's own
 tokens after the staged head of its first block). The rule depends on positions only, so
 a prompt gives the same result however it is chunked. Prefix-cached blocks are full,
-hence always quantized.
+hence always quantized, except a sequence's first block where the cache keeps a *sink*:
+then block 0 (ids from ``sink_from`` on, :class:`slimkv.kv.block_pool.BlockPool`) is read
+from its float row here, ``num_slots + id - sink_from``, once it is full (docs/kv-formats.md).
 """
 
 from __future__ import annotations
@@ -39,14 +41,19 @@ class StagedKV:
 
 class Staging:
     """The staging slots of one :class:`PagedKVCache`: ``buffer [2 (K, V), num_layers,
-    num_slots, block_size, H, D]`` in the model dtype. Full blocks go into ``cache``."""
+    num_slots + num_sink, block_size, H, D]`` in the model dtype, the float sink rows after
+    the slots. Full blocks go into ``cache`` (sink blocks also into their rows)."""
 
-    def __init__(self, cache: PagedKVCache, num_slots: int, dtype: torch.dtype) -> None:
+    def __init__(self, cache: PagedKVCache, num_slots: int, dtype: torch.dtype,
+                 num_sink: int = 0) -> None:
         self.cache = cache
         self.block_size = cache.block_size
-        self.buffer = torch.zeros(2, cache.num_layers, num_slots, cache.block_size,
+        self.buffer = torch.zeros(2, cache.num_layers, num_slots + num_sink, cache.block_size,
                                   cache.num_kv_heads, cache.head_dim, dtype=dtype,
                                   device=cache.device)
+        # Sink id b (from sink_from on) has row b + sink_shift.
+        self.num_sink, self.sink_from = num_sink, cache.num_blocks - num_sink
+        self.sink_shift = num_slots - self.sink_from
         self._layers = [(self.buffer[0, i], self.buffer[1, i]) for i in range(cache.num_layers)]
 
     @staticmethod
@@ -62,10 +69,6 @@ class Staging:
               num_slots: int, dtype: torch.dtype) -> int:
         """What :attr:`buffer` occupies (for sizing, before any cache exists)."""
         return 2 * num_layers * num_slots * block_size * num_kv_heads * head_dim * dtype.itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.nbytes
 
     # -- writes --------------------------------------------------------------------------
 
@@ -85,6 +88,9 @@ class Staging:
             self.cache.write_blocks(layer, block_ids[:num_full],
                                     k_ctx[:num_full * bs].unflatten(0, (num_full, bs)),
                                     v_ctx[:num_full * bs].unflatten(0, (num_full, bs)))
+        if num_full and start < bs and self.num_sink:  # block 0 (a sink id) filled
+            sink = torch.stack((k_ctx[:bs], v_ctx[:bs]))
+            self.buffer[:, layer, block_ids[0] + self.sink_shift] = sink
         last = (len(k_ctx) - 1) // bs * bs
         for side, ctx in enumerate((k_ctx, v_ctx)):
             self.buffer[side, layer, slot, :len(ctx) - last] = ctx[last:]
@@ -98,30 +104,41 @@ class Staging:
             self.buffer[side, layer, slots, offsets] = x.to(self.buffer.dtype)
         self.store_filled(layer, slots, block_ids, filled)
 
-    def store_filled(self, layer: int, slots: Tensor, block_ids: Tensor,
+    def store_filled(self, layer: int | None, slots: Tensor, block_ids: Tensor,
                      filled: Tensor | None) -> None:
-        """The slots ``slots[filled]`` (indices, or None) hold full blocks: into the pool."""
+        """The slots ``slots[filled]`` (indices, or None) hold full blocks: into the pool, of
+        one layer or (``layer`` None) of all at once; sink blocks also into their float rows,
+        the others onto their own slots (which hold them: no host sync picks the sinks out)."""
         if filled is not None:
-            blocks = self.buffer[:, layer, slots[filled]]
-            self.cache.write_blocks(layer, block_ids[filled], blocks[0], blocks[1])
-
-    def store_filled_all_layers(self, slots: Tensor, block_ids: Tensor,
-                                filled: Tensor | None) -> None:
-        """:meth:`store_filled` of every layer at once."""
-        if filled is not None:
-            blocks = self.buffer[:, :, slots[filled]]
-            self.cache.write_blocks_all_layers(block_ids[filled], blocks[0], blocks[1])
+            ids, index = block_ids[filled], slots[filled]
+            blocks = self.buffer[:, slice(None) if layer is None else layer, index]
+            if layer is None:
+                self.cache.write_blocks_all_layers(ids, blocks[0], blocks[1])
+            else:
+                self.cache.write_blocks(layer, ids, blocks[0], blocks[1])
+            if self.num_sink:
+                rows = torch.where(ids >= self.sink_from, ids + self.sink_shift, index)
+                self.buffer[:, slice(None) if layer is None else layer, rows] = blocks
 
     # -- reads ---------------------------------------------------------------------------
 
     def blocks(self, layer: int, slots: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """K and V ``[B, block_size, H, D]`` of each slot's block."""
-        blocks = self.buffer[:, layer, slots].to(dtype)
-        return blocks[0], blocks[1]
+        return tuple(self.buffer[:, layer, slots].to(dtype))
 
     def layer_buffers(self, layer: int) -> tuple[Tensor, Tensor]:
         """K and V ``[num_slots, block_size, H, D]`` of one layer (for native kernels)."""
         return self._layers[layer]  # views made once: a decode step asks every layer
+
+    def read_prefix(self, layer: int, block_tables: Tensor, num_tokens: int,
+                    dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """:meth:`PagedKVCache.read_prefix` with block 0 from its float row where the cache
+        keeps a sink (the pool holds its quantized copy: no kernel reads it)."""
+        k, v = self.cache.read_prefix(layer, block_tables, num_tokens, dtype)  # [B, n, H, D]
+        if self.num_sink:  # every block 0 has a sink id, a partial one is staged
+            sink = self.buffer[:, layer, block_tables[:, 0] + self.sink_shift].to(dtype)
+            k[:, :self.block_size], v[:, :self.block_size] = sink
+        return k, v
 
     def overlay(self, layer: int, k: Tensor, v: Tensor, slots: Tensor,
                 block_index: Tensor) -> None:
@@ -142,11 +159,10 @@ class Staging:
             start = (seq_len - 1) // bs * bs
             k_block, v_block = self.blocks(layer, slot, dtype)
             staged = StagedKV(start, k_block[0, :seq_len - start], v_block[0, :seq_len - start])
-        k, v = self.cache.read_prefix(layer, block_table, seq_len, dtype)
+        k, v = self.read_prefix(layer, block_table, seq_len, dtype)
         mask = staged_mask(seq_len, query_len, k.shape[1], staged.start, len(staged.k), bs,
                            k.device)
-        k = torch.cat((k, staged.k[None].to(dtype)), 1)
-        v = torch.cat((v, staged.v[None].to(dtype)), 1)
+        k, v = (torch.cat((x, s[None].to(dtype)), 1) for x, s in ((k, staged.k), (v, staged.v)))
         return k, v, mask[None]
 
 

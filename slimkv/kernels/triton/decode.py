@@ -89,10 +89,11 @@ def _attend_rows(q, k, v, tmask, m, l, acc):
 # Integer arguments that change as tables grow or the batch changes are not specialized
 # (Triton otherwise compiles a variant per "== 1" and "% 16 == 0" of each): a warm GPU
 # never compiles inside a timed decode window.
-@triton.jit(do_not_specialize=["table_stride", "blocks_per_split", "num_splits"])
+@triton.jit(do_not_specialize=["table_stride", "blocks_per_split", "num_splits", "sink_from",
+                               "sink_shift"])
 def _decode_split(q, o_parts, lse_parts, tables, seq_lens, k_data, k_scale, k_zero,
                   v_data, v_scale, v_zero, staged_k, staged_v, slots, sm_scale, H,
-                  table_stride, blocks_per_split, num_splits,
+                  table_stride, blocks_per_split, num_splits, sink_from, sink_shift,
                   BS: tl.constexpr, BS_PAD: tl.constexpr, D: tl.constexpr,
                   D_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                   K_KIND: tl.constexpr, K_MODE: tl.constexpr, K_GROUPS: tl.constexpr,
@@ -100,7 +101,9 @@ def _decode_split(q, o_parts, lse_parts, tables, seq_lens, k_data, k_scale, k_ze
                   STAGED: tl.constexpr):
     """Split ``s`` of sequence ``b``, KV head ``h``: its G query heads over blocks
     ``[s * blocks_per_split, (s + 1) * blocks_per_split)``; writes ``o_parts[b, head, s]``
-    (the split's softmax-normalised output) and ``lse_parts[b, head, s]``."""
+    (the split's softmax-normalised output) and ``lse_parts[b, head, s]``. A block whose
+    id is ``>= sink_from`` is a float sink block (docs/kv-formats.md): its rows come from
+    staging row ``id + sink_shift``, as the own block's from its slot."""
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + b)
     nblocks = (seq_len + BS - 1) // BS
@@ -121,14 +124,16 @@ def _decode_split(q, o_parts, lse_parts, tables, seq_lens, k_data, k_scale, k_ze
         blk = tl.load(tables + b * table_stride + j)
         n = tl.minimum(seq_len - j * BS, BS)
         tmask = offs_t < n
-        mask = (offs_t < tl.where(j == own, 0, n))[:, None] & dmask  # own block: no pool rows
+        staged = (j == own) | (blk >= sink_from)  # the own block or a sink: no pool rows
+        mask = (offs_t < tl.where(staged, 0, n))[:, None] & dmask
         k = _pool_rows(k_data, k_scale, k_zero, blk, h, H, offs_t, offs_d, mask, BS, D,
                        K_KIND, K_MODE, K_GROUPS)
         v = _pool_rows(v_data, v_scale, v_zero, blk, h, H, offs_t, offs_d, mask, BS, D,
                        V_KIND, V_MODE, V_GROUPS)
-        if STAGED:  # the own block's rows from the staging slot (predicated loads: no branch)
-            mask = (offs_t < tl.where(j == own, n, 0))[:, None] & dmask
-            at = ((slot * BS + offs_t) * H + h)[:, None] * D + offs_d[None, :]
+        if STAGED:  # their rows from the staging buffer (predicated loads: no branch)
+            mask = (offs_t < tl.where(staged, n, 0))[:, None] & dmask
+            row = tl.where(j == own, slot, blk + sink_shift)
+            at = ((row * BS + offs_t) * H + h)[:, None] * D + offs_d[None, :]
             k += tl.load(staged_k + at, mask=mask, other=0).to(tl.float32)
             v += tl.load(staged_v + at, mask=mask, other=0).to(tl.float32)
         m, l, acc = _attend_rows(qt, k, v, tmask, m, l, acc)
@@ -157,6 +162,9 @@ def _merge_splits(o_parts, lse_parts, out, seq_lens, blocks_per_split, num_split
                 mask=(offs_s[:, None] < used) & (offs_d[None, :] < D), other=0)
     tl.store(out + (b * tl.num_programs(1) + i) * D + offs_d,
              tl.sum(w[:, None] * o, 0) / tl.sum(w, 0), mask=offs_d < D)
+
+
+NO_SINK = 2**31 - 1  # sink_from of a cache without a sink: no block id reaches it
 
 
 def _pad(n: int, least: int = 1) -> int:
@@ -188,11 +196,13 @@ class TritonDecode:
 
     def __call__(self, q: Tensor, block_tables: Tensor, seq_lens: Tensor, k: TritonSide,
                  v: TritonSide, num_kv_heads: int, block_size: int, scale: float,
-                 staged: tuple[Tensor, Tensor, Tensor] | None) -> Tensor:
+                 staged: tuple[Tensor, Tensor, Tensor] | None,
+                 sink: tuple[int, int] | None = None) -> Tensor:
         """``q [B, Hq, D]`` (float32) over the blocks of ``block_tables [B, m]`` (int64) up to
         ``seq_lens [B]`` (each >= 1); ``staged``: (staged K, staged V ``[slots, block_size,
         H, D]``, slot per sequence ``[B]``) for a staged cache, whose last block is read from
-        there. Returns float32 ``[B, Hq, D]``."""
+        there; ``sink``: (first sink id, its staging row's shift) where the cache keeps
+        block 0 at float (:class:`slimkv.kv.staging.Staging`). Returns float32 ``[B, Hq, D]``."""
         batch, num_heads, head_dim = q.shape
         q, block_tables = q.float().contiguous(), block_tables.contiguous()
         per = self.split(batch, num_kv_heads, block_tables.shape[1], block_size)
@@ -204,7 +214,7 @@ class TritonDecode:
         _decode_split[(batch, num_kv_heads, num_splits)](
             q, o_parts, lse_parts, block_tables, seq_lens, *k.pointers(), *v.pointers(),
             staged_k, staged_v, slots, scale, num_kv_heads, block_tables.stride(0), per,
-            num_splits, BS=block_size, BS_PAD=_pad(block_size, 16), D=head_dim,
+            num_splits, *(sink or (NO_SINK, 0)), BS=block_size, BS_PAD=_pad(block_size, 16), D=head_dim,
             D_PAD=_pad(head_dim, 16), G=group, G_PAD=_pad(group, 16), K_KIND=k.kind,
             K_MODE=k.scale_mode, K_GROUPS=k.groups, V_KIND=v.kind, V_MODE=v.scale_mode,
             V_GROUPS=v.groups, STAGED=staged is not None)

@@ -38,7 +38,7 @@ import triton.language as tl
 from torch import Tensor
 
 from slimkv.kernels.triton import side as fmt
-from slimkv.kernels.triton.decode import _pool_rows
+from slimkv.kernels.triton.decode import NO_SINK, _pool_rows
 from slimkv.kernels.triton.side import TritonSide
 
 __all__ = ["paged_prefill"]
@@ -61,9 +61,11 @@ def _attend(q, k, v, visible, sm_scale, m, l, acc, PREC: tl.constexpr):
 
 # Lengths change every chunk: not specialized, so Triton compiles no variant per value class
 # ("== 1", "% 16 == 0") inside a timed window.
-@triton.jit(do_not_specialize=["seq_len", "n", "staged_start", "num_staged"])
+@triton.jit(do_not_specialize=["seq_len", "n", "staged_start", "num_staged", "sink_from",
+                               "sink_shift"])
 def _prefill(q, out, table, k_data, k_scale, k_zero, v_data, v_scale, v_zero, staged_k,
-             staged_v, seq_len, n, staged_start, num_staged, sm_scale, H,
+             staged_v, seq_len, n, staged_start, num_staged, sm_scale, H, sink_k, sink_v,
+             sink_from, sink_shift,
              ROWS: tl.constexpr, BS: tl.constexpr, BS_PAD: tl.constexpr, D: tl.constexpr,
              D_PAD: tl.constexpr, G: tl.constexpr,
              K_KIND: tl.constexpr, K_MODE: tl.constexpr, K_GROUPS: tl.constexpr,
@@ -71,7 +73,9 @@ def _prefill(q, out, table, k_data, k_scale, k_zero, v_data, v_scale, v_zero, st
              STAGED: tl.constexpr, PREC: tl.constexpr):
     """Rows ``[tile * ROWS, (tile + 1) * ROWS)`` of KV head ``h``'s ``n * G`` query rows:
     ``q, out [n, H * G, D]``; ``table`` the sequence's block ids; ``staged_k, staged_v
-    [num_staged, H, D]`` from position ``staged_start`` (STAGED)."""
+    [num_staged, H, D]`` from position ``staged_start`` (STAGED); a pool block whose id is
+    ``>= sink_from`` is read from row ``id + sink_shift`` of ``sink_k, sink_v`` (the layer's
+    staging buffers: its float sink block)."""
     tile, h = tl.program_id(0), tl.program_id(1)
     f = tile * ROWS + tl.arange(0, ROWS)
     valid = f < n * G
@@ -92,10 +96,17 @@ def _prefill(q, out, table, k_data, k_scale, k_zero, v_data, v_scale, v_zero, st
         blk = tl.load(table + j)
         kpos = j * BS + offs_t
         rows = (offs_t < BS) & (kpos < seq_len)
+        sink = blk >= sink_from  # a sink block: its rows float, from its staging row
+        pool = rows & (offs_t < tl.where(sink, 0, BS))
         k = _pool_rows(k_data, k_scale, k_zero, blk, h, H, offs_t, offs_d,
-                       rows[:, None] & dmask, BS, D, K_KIND, K_MODE, K_GROUPS)
+                       pool[:, None] & dmask, BS, D, K_KIND, K_MODE, K_GROUPS)
         v = _pool_rows(v_data, v_scale, v_zero, blk, h, H, offs_t, offs_d,
-                       rows[:, None] & dmask, BS, D, V_KIND, V_MODE, V_GROUPS)
+                       pool[:, None] & dmask, BS, D, V_KIND, V_MODE, V_GROUPS)
+        if STAGED:  # predicated loads: no branch
+            sink = (rows & (offs_t < tl.where(sink, BS, 0)))[:, None] & dmask
+            at = (((blk + sink_shift) * BS + offs_t) * H + h)[:, None] * D + offs_d[None, :]
+            k += tl.load(sink_k + at, mask=sink, other=0).to(tl.float32)
+            v += tl.load(sink_v + at, mask=sink, other=0).to(tl.float32)
         if STAGED:
             visible = kpos[None, :] < own[:, None]
         else:
@@ -122,7 +133,7 @@ def _pad(n: int, least: int = 16) -> int:
 
 def paged_prefill(q: Tensor, block_table: Tensor, seq_len: int, k_side: TritonSide,
                   v_side: TritonSide, staged=None, scale: float | None = None,
-                  block_rows: int = 64, num_warps: int = 4) -> Tensor:
+                  block_rows: int = 64, num_warps: int = 4, sink=None) -> Tensor:
     """Attention of one sequence's chunk ``q [n, Hq, D]`` (float32, float16 or bfloat16;
     positions ``seq_len - n .. seq_len - 1``) over its context, on q's device.
 
@@ -133,7 +144,9 @@ def paged_prefill(q: Tensor, block_table: Tensor, seq_len: int, k_side: TritonSi
     (per-channel-block keys) the chunk's :class:`slimkv.kv.staging.StagedKV` (``start``,
     ``k``, ``v [seq_len - start, H, D]``: anything with those attributes), else None;
     ``scale``: the softmax scale (default ``D ** -0.5``); ``block_rows``: (position, head)
-    rows per program, a power of two >= 16. Returns ``[n, Hq, D]`` in q's dtype."""
+    rows per program, a power of two >= 16; ``sink``: (the layer's staging K, V buffers,
+    first sink id, shift to its row) where the cache keeps block 0 at float (staged
+    caches only). Returns ``[n, Hq, D]`` in q's dtype."""
     n, num_heads, head_dim = q.shape
     num_kv, bs = k_side.num_kv_heads, k_side.block_size
     if num_heads % num_kv or v_side.num_kv_heads != num_kv or v_side.block_size != bs:
@@ -170,7 +183,7 @@ def paged_prefill(q: Tensor, block_table: Tensor, seq_len: int, k_side: TritonSi
     _prefill[(triton.cdiv(n * group, rows), num_kv)](
         q, out, table, *k_side.pointers(), *v_side.pointers(), staged_k, staged_v, seq_len, n,
         start, len(staged_k) if staged is not None else 0,
-        head_dim ** -0.5 if scale is None else scale, num_kv,
+        head_dim ** -0.5 if scale is None else scale, num_kv, *(sink or (q, q, NO_SINK, 0)),
         ROWS=rows, BS=bs, BS_PAD=_pad(bs), D=head_dim, D_PAD=_pad(head_dim), G=group,
         K_KIND=k_side.kind, K_MODE=k_side.scale_mode, K_GROUPS=k_side.groups,
         V_KIND=v_side.kind, V_MODE=v_side.scale_mode, V_GROUPS=v_side.groups,

@@ -8,6 +8,7 @@ import atexit
 import os
 from typing import TYPE_CHECKING
 
+from slimkv.config import ConfigError
 from slimkv.kv.offload.chunk import ChunkLayout, model_digest
 from slimkv.kv.offload.config import OffloadConfig
 from slimkv.kv.offload.tier import OffloadTier
@@ -22,6 +23,9 @@ def offload_connector(runner: ModelRunner) -> OffloadTier:
     attaches it to its block pool and KV manager). The tier stores what it has pending when
     the process exits (or on :meth:`OffloadTier.close`)."""
     config = runner.config
+    if runner.num_sink:  # its chunks are the quantized pool's bytes: a sink block's are stale
+        raise ConfigError("kv_cache.offload does not store the float sink block of "
+                          "kv_cache.int4.sink_block: set one of them off (sink_block: false)")
     offload = OffloadConfig.of(config.kv_cache)
     path = os.path.realpath(config.model.path or default_model_path())
     int4 = config.kv_cache.int4

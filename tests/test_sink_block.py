@@ -1,0 +1,309 @@
+"""kv_cache.int4.sink_block (issue 46): every sequence's block 0 kept at the model dtype in the
+float sink region (docs/kv-formats.md, "The sink block"). Each backend reads it as the
+reference does; the engine stores it bit for bit, a prefix hit equals a miss, no block leaks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slimkv.backends import cpu_decode as kernels
+from slimkv.attention.layer import PagedAttention
+from slimkv.attention.metadata import AttentionMetadata
+from slimkv.attention.reference import reference_paged_attention
+from slimkv.backends import KERNELS
+from slimkv.config import Config, ConfigError
+from slimkv.engine.sampling import SamplingParams
+from slimkv.kernels import build
+from slimkv.kv.block_pool import BlockPool
+from slimkv.kv.cache import PagedKVCache
+from slimkv.kv.staging import Staging
+from slimkv.llm import LLM
+
+BS, H_KV, HQ, SINKS = 16, 3, 9, 8
+
+
+def _step(lens: list[int], head_dim: int = 64, dtype: torch.dtype = torch.float32,
+          k_dtype: str = "int4", num_sink: int = SINKS, done: list[int] | None = None):
+    """A cache whose last ``num_sink`` ids are the sink region, each sequence's block 0 one
+    of them (the rest shuffled regular ids), ``lens[i] - 1`` tokens prefilled through the
+    backends' write, and a decode step of one more token each."""
+    gen = torch.Generator().manual_seed(len(lens) + head_dim)
+    regular = sum(-(-n // BS) for n in lens)
+    cache = PagedKVCache(num_layers=1, num_blocks=regular + num_sink, block_size=BS,
+                         num_kv_heads=H_KV, head_dim=head_dim, k_dtype=k_dtype, v_dtype=k_dtype,
+                         k_scale="per_channel_block", device=torch.device("cpu"))
+    staging = Staging(cache, len(lens), dtype, num_sink)
+    order = torch.randperm(regular, generator=gen).tolist()
+    sinks = (torch.randperm(num_sink, generator=gen) + regular).tolist()
+    tables = []
+    write = PagedAttention(cache, HQ, head_dim ** -0.5, dtype, staging=staging, kernels=KERNELS)
+    for i, (n, m) in enumerate(zip(lens, done or [n - 1 for n in lens])):
+        num = -(-n // BS)
+        tables.append([sinks[i]] + order[:num - 1])
+        order = order[num - 1:]
+        if m:
+            q, k, v = (torch.randn(m, h, head_dim, generator=gen, dtype=dtype) * 2
+                       for h in (HQ, H_KV, H_KV))
+            k[:4] *= 8  # outlying keys at the head, as the first tokens' are
+            write(0, q, k, v, _meta([m], [m], [tables[-1]], [i]))
+    meta = _meta([1] * len(lens), lens, tables, list(range(len(lens))))
+    step = tuple(torch.randn(len(lens), h, head_dim, generator=gen, dtype=dtype) * 2
+                 for h in (HQ, H_KV, H_KV))
+    return cache, staging, step, meta
+
+
+def _meta(query_lens, seq_lens, tables, slots) -> AttentionMetadata:
+    return AttentionMetadata.build(BS, tables, query_lens, seq_lens, torch.device("cpu"), slots)
+
+
+def _run(cache, staging, step, meta, dtype, backend):
+    """The step on ``backend`` (None: the fused C kernel) from the same pool state, and the
+    reference over the pool that step wrote."""
+    saved = [t.clone() for t in (*cache.tensors().values(), staging.buffer)]
+    attn = PagedAttention(cache, HQ, cache.head_dim ** -0.5, dtype, staging=staging,
+                          backend=backend, kernels=KERNELS)
+    out = attn(0, *step, meta)
+    reference = reference_paged_attention(cache, 0, step[0], meta, cache.head_dim ** -0.5,
+                                          dtype, staging)
+    for t, s in zip((*cache.tensors().values(), staging.buffer), saved):
+        t.copy_(s)
+    return out, reference, attn
+
+
+LENS = [1, 16, 17, 40, 100]  # block 0 still staged, just full, then behind the own block
+
+
+def _triton() -> None:
+    from slimkv.kernels.triton import triton_unavailable_reason
+
+    if (reason := triton_unavailable_reason("cpu")) is not None:
+        pytest.skip(reason)
+
+
+@pytest.mark.usefixtures("fused_kernel")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("backend", [None, "portable", "sdpa", "triton"])
+def test_each_decode_path_reads_the_sink_as_the_reference(backend, head_dim, monkeypatch):
+    if backend == "triton":
+        _triton()
+    if backend == "portable":
+        monkeypatch.setattr(kernels._KERNEL, "_loaded",
+                            kernels.DecodeKernel(build.load(kernels.SOURCE), "paged_decode_portable"))
+    cache, staging, step, meta = _step(LENS, head_dim)
+    out, reference, attn = _run(cache, staging, step, meta, torch.float32,
+                                None if backend == "portable" else backend)
+    path = {"sdpa": "fast_decode", "triton": "triton_decode"}.get(backend, "fused_decode")
+    assert attn.path_counts == {path: 1}
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.usefixtures("fused_kernel")
+def test_bfloat16_sink_rows_through_the_tiled_path_as_the_portable_loop(monkeypatch):
+    """A bf16 model's sink rows take the tiled path's vector conversion of staged rows."""
+    captured = []
+    lib = build.load(kernels.SOURCE)
+    for name in ("paged_decode", "paged_decode_portable"):
+        kernel = kernels.DecodeKernel(lib, name)
+
+        def spy(*args, kernel=kernel):
+            captured.append(kernel(*args))
+            return captured[-1]
+
+        monkeypatch.setattr(kernels._KERNEL, "_loaded", spy)
+        cache, staging, step, meta = _step([5, 33, 47], 64, torch.bfloat16)
+        _run(cache, staging, step, meta, torch.bfloat16, None)
+    torch.testing.assert_close(captured[0], captured[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("done, n", [(40, 20), (0, 40), (9, 30)])
+@pytest.mark.parametrize("backend", ["sdpa", "cpu", "triton"])
+def test_prefill_chunks_read_the_sink_as_the_reference(backend, done, n):
+    """A chunk after a full block 0, one that fills it and goes on, one that starts inside
+    it (torch paths: dequantized prefix, block 0's rows replaced by the float ones; Triton:
+    the sink block's rows read from the staging buffer)."""
+    if backend == "triton":
+        _triton()
+    cache, staging, _, meta0 = _step([done + n], done=[done])
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(n, h, 64, generator=gen) for h in (HQ, H_KV, H_KV))
+    meta = _meta([n], [done + n], [meta0.block_tables[0].tolist()], [0])
+    attn = PagedAttention(cache, HQ, 0.125, torch.float32, staging=staging, backend=backend,
+                          kernels=KERNELS)
+    staged = attn.backend.write(0, k, v, meta)
+    out, _ = attn.backend.attend(0, q, meta, staged)
+    reference = reference_paged_attention(cache, 0, q, meta, 0.125, torch.float32, staging,
+                                          staged)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.usefixtures("fused_kernel")
+def test_a_sink_read_from_the_wrong_row_or_the_pool_fails():
+    """Mutation sanity: the kernel reading the next sink row, or block 0's quantized copy,
+    no longer matches the reference; the reference itself depends on the sink."""
+    cache, staging, step, meta = _step(LENS)
+    good, reference, _ = _run(cache, staging, step, meta, torch.float32, None)
+    torch.testing.assert_close(good, reference, rtol=1e-5, atol=1e-5)
+    attn = PagedAttention(cache, HQ, 0.125, torch.float32, staging=staging, kernels=KERNELS)
+    saved = [t.clone() for t in (*cache.tensors().values(), staging.buffer)]
+    for shift in (1, None):  # the next row; None: no sink (block 0 from the pool)
+        for pair in attn.backend.sides:
+            for side in pair:
+                side.sink_from = 2**63 - 1 if shift is None else staging.sink_from
+                side.sink_shift = staging.sink_shift + (shift or 0)
+        for t, s in zip((*cache.tensors().values(), staging.buffer), saved):
+            t.copy_(s)
+        wrong = attn(0, *step, meta)
+        rows = torch.tensor(LENS) > BS  # sequences whose block 0 is behind the own block
+        assert not torch.allclose(wrong[rows], reference[rows], rtol=1e-3, atol=1e-3)
+
+
+def test_the_sink_rows_hold_the_float_block_bit_for_bit():
+    cache, staging, _, meta = _step([40])
+    # Written again here, to compare with what went in.
+    gen = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(40, H_KV, 64, generator=gen) for _ in range(2))
+    table = meta.block_tables[:1, :3]
+    staging.append(0, 0, 0, table[0], k, v)
+    row = int(table[0, 0]) + staging.sink_shift
+    assert torch.equal(staging.buffer[0, 0, row], k[:BS])
+    assert torch.equal(staging.buffer[1, 0, row], v[:BS])
+
+
+def test_the_sink_queue_serves_block_zero_and_gets_every_block_back():
+    pool = BlockPool(10, num_sink=3)
+    assert pool.num_blocks == 7 and pool.num_free_blocks == 7 and len(pool.sink_queue) == 3
+    first = pool.get_new_blocks(3, sink=True)
+    assert first[0].block_id >= 7 and all(b.block_id < 7 for b in first[1:])
+    pool.cache_block(first[0], b"h" * 16)
+    pool.set_session_head(first[:1], "s")
+    pool.free_blocks(reversed(first))
+    assert pool.num_free_blocks == 7 and len(pool.sink_queue) == 3
+    pool.touch([first[0]])  # a prefix hit takes it back out of the sink queue
+    assert len(pool.sink_queue) == 2 and pool.num_free_blocks == 7
+    pool.free_blocks([first[0]])
+    assert len(pool.sink_queue) == 3 and pool.free_queue.num_blocks == 7
+
+
+# -- the engine ---------------------------------------------------------------------------
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def _llm(**kv) -> LLM:
+    kv = {"dtype": "int4", "memory_gb": None, "num_blocks": 48, "max_concurrency_soft": 3, **kv}
+    return LLM(Config().replace("kv_cache", **kv).replace("model", dtype="float32"))
+
+
+def _idle(llm: LLM) -> None:
+    pool = llm.engine.pool
+    assert pool.num_free_blocks == pool.num_blocks and len(pool.sink_queue) == pool.num_sink
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+
+
+@pytest.fixture(scope="module")
+def sink_llm() -> LLM:
+    return _llm()
+
+
+def _prompt(llm: LLM, n: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 20000, (n,), generator=gen).tolist()
+
+
+@pytest.mark.slow
+def test_engine_keeps_block_zero_at_float_and_a_hit_equals_a_miss(sink_llm: LLM):
+    engine = sink_llm.engine
+    assert engine.runner.num_sink == 2 * engine.runner.num_staging_slots > 0
+    written = {}
+    backend = engine.runner.attention.backend
+    write = backend.write
+
+    def spy(layer, k, v, meta):  # the float K/V each layer stores, first prefill
+        written.setdefault(layer, (k[:BS].clone(), v[:BS].clone()))
+        return write(layer, k, v, meta)
+
+    backend.write = spy
+    prompt = _prompt(sink_llm, 40, 0)
+    seq = engine.add_request(prompt, GREEDY)
+    engine.step()  # the prompt's prefill
+    del backend.write
+    sink_id = seq.blocks[0].block_id
+    assert sink_id >= engine.pool.sink_from
+    staging = engine.runner.staging
+    for layer, (k, v) in written.items():
+        row = sink_id + staging.sink_shift
+        assert torch.equal(staging.buffer[0, layer, row], k.to(staging.buffer.dtype))
+        assert torch.equal(staging.buffer[1, layer, row], v.to(staging.buffer.dtype))
+    while engine.has_unfinished():
+        engine.step()
+    miss = seq.output_token_ids
+    hit = sink_llm.generate([prompt], GREEDY)[0]
+    assert hit.token_ids == list(miss)
+    assert engine.manager.num_prefix_hits >= 2 * BS
+    _idle(sink_llm)
+
+
+@pytest.mark.slow
+def test_engine_preemption_with_the_sink_completes_and_leaks_nothing(sink_llm: LLM):
+    prompts = [_prompt(sink_llm, 40, s) for s in range(1, 4)]
+    expected = [r.token_ids for r in sink_llm.generate(prompts, GREEDY)]
+    tight = _llm(num_blocks=8, enable_prefix_caching=False)
+    got = [r.token_ids for r in tight.generate(prompts, GREEDY)]
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert got == expected
+    _idle(tight)
+
+
+@pytest.mark.slow
+def test_only_int4_caches_get_a_sink():
+    for dtype in ("int8", "fp8", "float32"):
+        config = Config().replace("kv_cache", dtype=dtype)
+        assert config.kv_cache.int4.sink_block is None  # auto: on where served, int4 only
+    assert Config.from_dict({"kv_cache": {"int4": {"sink_block": False}}}).kv_cache.int4.sink_block is False
+    with pytest.raises(ConfigError, match="kv_cache.int4.sink_blok"):
+        Config.from_dict({"kv_cache": {"int4": {"sink_blok": False}}})
+    with pytest.raises(ConfigError, match="kv_cache.int4.sink_block"):
+        Config.from_dict({"kv_cache": {"int4": {"sink_block": "yes"}}})
+    for dtype in ("int8", "fp8_e4m3", "float32"):  # a sink for int4 caches only
+        assert _llm(dtype=dtype, int4={"sink_block": True}).engine.runner.num_sink == 0
+
+
+@pytest.mark.slow
+def test_offload_with_the_sink_is_refused_naming_both_keys(tmp_path):
+    from slimkv.plugins import build_engine
+
+    config = Config().replace("kv_cache", dtype="int4", memory_gb=None, num_blocks=32,
+                              max_concurrency_soft=2, offload={"host_gb": 0.01},
+                              int4={"sink_block": True}).replace(
+        "model", dtype="float32")
+    with pytest.raises(ConfigError, match="kv_cache.offload.*kv_cache.int4.sink_block"):
+        build_engine(config)
+    auto = build_engine(config.replace("kv_cache", int4={}))  # null: off with the offload tier
+    assert auto.runner.num_sink == 0
+
+
+@pytest.mark.parametrize("backend", [None, "sdpa", "triton"])
+def test_a_decode_that_fills_block_zero_keeps_it_and_the_next_reads_it(backend):
+    if backend == "triton":
+        _triton()
+    """15 tokens prefilled, the 16th decoded (block 0 fills from the staging slot), then the
+    17th: its block 0 comes from the float row, and the pool's quantized copy would differ."""
+    cache, staging, _, meta = _step([17], done=[15])
+    table = meta.block_tables[0].tolist()
+    gen = torch.Generator().manual_seed(5)
+    steps = [tuple(torch.randn(1, h, 64, generator=gen) for h in (HQ, H_KV, H_KV)) for _ in "ab"]
+    attn = PagedAttention(cache, HQ, 0.125, torch.float32, staging=staging, backend=backend,
+                          kernels=KERNELS)
+    attn(0, *steps[0], _meta([1], [16], [table], [0]))
+    row = table[0] + staging.sink_shift
+    assert torch.equal(staging.buffer[:, 0, row], staging.buffer[:, 0, 0])  # slot 0: block 0
+    meta = _meta([1], [17], [table], [0])
+    out = attn(0, *steps[1], meta)
+    reference = reference_paged_attention(cache, 0, steps[1][0], meta, 0.125, torch.float32,
+                                          staging)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    staging.num_sink = 0  # the torch paths would read block 0's quantized copy instead
+    pool_copy = reference_paged_attention(cache, 0, steps[1][0], meta, 0.125, torch.float32,
+                                          staging)
+    assert not torch.allclose(pool_copy, reference, rtol=1e-3, atol=1e-3)
