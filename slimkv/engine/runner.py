@@ -155,7 +155,7 @@ class ModelRunner:
         """Bytes of the weights, the KV pool, its staging blocks, and the activation peak of
         the largest step (measured at start-up, see :func:`slimkv.engine.memory.activation_peak`)."""
         return {"weights": weight_bytes(self.model), "kv_cache": self.cache.nbytes,
-                "kv_staging": self.staging.buffer.nbytes if self.staging else 0,
+                "kv_staging": self.staging.nbytes if self.staging else 0,
                 "activations": self.activation_bytes}
 
     # -- one step ----------------------------------------------------------------------

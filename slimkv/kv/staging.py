@@ -70,6 +70,10 @@ class Staging:
         """What :attr:`buffer` occupies (for sizing, before any cache exists)."""
         return 2 * num_layers * num_slots * block_size * num_kv_heads * head_dim * dtype.itemsize
 
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.nbytes
+
     # -- writes --------------------------------------------------------------------------
 
     def append(self, layer: int, slot: int, start: int, block_ids: Tensor, k: Tensor,
