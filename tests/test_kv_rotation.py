@@ -198,6 +198,10 @@ def test_eval_dtype_strings_take_the_int4_options() -> None:
     assert (kv.dtype, kv.k_scale) == ("int4", "per_token")
     assert (kv.int4.group_size, kv.int4.rotate_k, kv.int4.rotate_v) == (64, True, True)
     assert eval_config(Config(), "int4", 1024).kv_cache.int4 == Config().kv_cache.int4
+    edges = eval_config(Config(), "int4+rotate_k+int8_layers=0.1.28.29", 1024).kv_cache
+    assert (edges.dtype, edges.layer_dtypes, edges.int4.rotate_k) == \
+        ("int4", {"int8": [0, 1, 28, 29]}, True)
+    assert eval_config(Config(), "int4", 1024).kv_cache.layer_dtypes is None
     with pytest.raises(ConfigError, match=r"kv_cache\.int4\.rotate_q: unknown key"):
         eval_config(Config(), "int4+rotate_q", 1024)
 

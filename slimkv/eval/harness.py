@@ -119,7 +119,8 @@ def eval_config(config: Config, dtype: str, max_context: int) -> Config:
     small pool per dtype, since every dtype's engine stays alive for the run). ``dtype`` may
     name a key scale layout too, ``int4:per_channel_block``; without one the config's
     ``kv_cache.k_scale`` applies. ``+`` adds ``kv_cache.int4`` options over the config's:
-    ``int4:per_token+g64+rotate_k+rotate_v`` (``gN``: ``group_size`` N; ``no_X``: X false).
+    ``int4:per_token+g64+rotate_k+rotate_v`` (``gN``: ``group_size`` N; ``no_X``: X false;
+    ``int8_layers=0.1.28.29``: those layers int8, ``kv_cache.layer_dtypes``).
     ``dtype@chunk=N`` prefills (and scores) N tokens a step instead: the same dtype with
     another chunking, whose distance from the plain run is the floor of rounding noise (in
     bf16 activations, not zero)."""
@@ -128,11 +129,16 @@ def eval_config(config: Config, dtype: str, max_context: int) -> Config:
     dtype, *options = dtype.split("+")
     dtype, _, k_scale = dtype.partition(":")
     int4 = asdict(config.kv_cache.int4)  # a mapping: its keys are checked as YAML's are
+    layer_dtypes = None
     for option in options:
+        name, _, value = option.partition("=")
+        if name == "int8_layers":        # the ablation's int8 boundary layers: 0.1.28.29
+            layer_dtypes = {"int8": [int(x) for x in value.split(".")]}
+            continue
         int4.update({"group_size": int(option[1:])} if option[:1] == "g" else
                     {option[3:]: False} if option.startswith("no_") else {option: True})
     config = config.replace("kv_cache", dtype=dtype, k_dtype=None, v_dtype=None,
-                            layer_dtypes=None, num_blocks=blocks,
+                            layer_dtypes=layer_dtypes, num_blocks=blocks,
                             k_scale=k_scale or config.kv_cache.k_scale, int4=int4)
     budget = max(config.scheduler.max_num_batched_tokens, _STEP_TOKENS)
     if chunking:
