@@ -10,6 +10,10 @@
  * Causal (mask NULL): query i sees keys 0 .. i + L - n. Built by slimkv/kernels/build.py;
  * without AVX512-BF16 nothing is compiled in (prefill_attention_native() == 0) and callers
  * keep torch's SDPA.
+ *
+ * prefill_attention_pieces: all the pieces of a staged chunk (each over the pool keys before
+ * its last block, then its staged keys) in one call, keys packed and values widened once for
+ * all of them, bit for bit what prefill_attention gives each piece over its concatenation.
  */
 #include <math.h>
 #include <omp.h>
@@ -23,21 +27,25 @@
 
 enum { ROWS = 16, KEYS = 64, MAX_D = 256 };
 
-/* Keys of every head as [H][tiles][D / 2][16]: 32-bit pairs of channels 2p, 2p + 1 of 16
+/* Tile t of head h's keys as [D / 2][16]: 32-bit pairs of channels 2p, 2p + 1 of 16
  * consecutive keys (zero past L), the layout vdpbf16ps multiplies against a broadcast
  * query pair. */
+static inline void pack_tile(const uint16_t *k, int64_t ks, int L, int D, int h, int t,
+                             uint32_t *dst) {
+    for (int key = 0; key < 16; key++) {
+        int j = t * 16 + key;
+        const uint32_t *row = (const uint32_t *)(k + (size_t)j * ks + (size_t)h * D);
+        for (int p = 0; p < D / 2; p++) dst[p * 16 + key] = j < L ? row[p] : 0;
+    }
+}
+
+/* Keys of every head as [H][tiles][D / 2][16] (pack_tile). */
 static void pack_keys(const uint16_t *k, int64_t ks, int L, int H, int D, uint32_t *kp) {
     int tiles = (L + 15) / 16;
 #pragma omp parallel for collapse(2) schedule(static)
     for (int h = 0; h < H; h++)
-        for (int t = 0; t < tiles; t++) {
-            uint32_t *dst = kp + ((size_t)h * tiles + t) * (D / 2) * 16;
-            for (int key = 0; key < 16; key++) {
-                int j = t * 16 + key;
-                const uint32_t *row = (const uint32_t *)(k + (size_t)j * ks + (size_t)h * D);
-                for (int p = 0; p < D / 2; p++) dst[p * 16 + key] = j < L ? row[p] : 0;
-            }
-        }
+        for (int t = 0; t < tiles; t++)
+            pack_tile(k, ks, L, D, h, t, kp + ((size_t)h * tiles + t) * (D / 2) * 16);
 }
 
 /* 16 bf16 values as float32 (bf16 is the top half of a float32). */
@@ -45,17 +53,28 @@ static inline __attribute__((always_inline)) __m512 widen16(__m256i x) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
 }
 
+/* Value j of head h as float32 [D]. */
+static inline void widen_row(const uint16_t *v, int64_t vs, int D, int h, int j, float *dst) {
+    const uint16_t *row = v + (size_t)j * vs + (size_t)h * D;
+    for (int d = 0; d < D; d += 16)
+        _mm512_storeu_ps(dst + d, widen16(_mm256_loadu_si256((const __m256i *)(row + d))));
+}
+
 /* Values of every head as float32 [H][L][D]. */
 static void widen_values(const uint16_t *v, int64_t vs, int L, int H, int D, float *vf) {
 #pragma omp parallel for collapse(2) schedule(static)
     for (int h = 0; h < H; h++)
-        for (int j = 0; j < L; j++) {
-            const uint16_t *row = v + (size_t)j * vs + (size_t)h * D;
-            float *dst = vf + ((size_t)h * L + j) * D;
-            for (int d = 0; d < D; d += 16)
-                _mm512_storeu_ps(dst + d, widen16(_mm256_loadu_si256((const __m256i *)(row + d))));
-        }
+        for (int j = 0; j < L; j++) widen_row(v, vs, D, h, j, vf + ((size_t)h * L + j) * D);
 }
+
+/* Where the keys of one task lie: tiles t < split (keys < 16 split) at kp[0] + t and vf[0] +
+ * key, the later ones at kp[1] + t - split and vf[1] + key - 16 split (a piece's staged keys
+ * after its pool keys; one run of keys: split past the last tile). */
+typedef struct {
+    const uint32_t *kp[2];
+    const float *vf[2];
+    int split;
+} Keys;
 
 /* s[r][0 .. 16) = scale * (q row r . keys of tile kt) for all ROWS rows (rows past the
  * chunk have zero queries). */
@@ -110,10 +129,10 @@ softmax_block(float *s, int limit, const uint16_t *mask, float *m, float *l,
             _mm512_store_ps(acc + d, _mm512_mul_ps(_mm512_load_ps(acc + d), _mm512_set1_ps(alpha)));
 }
 
-/* acc[r] += sum over the block's keys lo .. hi of s[r][key] * v[key], RG rows at a time
- * (their D / 16 accumulators and one value row in registers). */
+/* acc[r] += sum over the keys lo .. hi of block kb of s[r][key] * v[kb + key], RG rows at a
+ * time (their D / 16 accumulators and one value row in registers). */
 static inline __attribute__((always_inline)) void
-values_block(float (*s)[KEYS], const float *vb, int lo, int hi, const int D,
+values_block(float (*s)[KEYS], const Keys *keys, int kb, int lo, int hi, const int D,
              float (*acc)[MAX_D]) {
     enum { RG_MAX = 8 };
     const int RG = 256 / D < RG_MAX ? 256 / D : RG_MAX;
@@ -121,12 +140,15 @@ values_block(float (*s)[KEYS], const float *vb, int lo, int hi, const int D,
         __m512 o[RG_MAX][MAX_D / 16];
         for (int g = 0; g < RG; g++)
             for (int d = 0; d < D / 16; d++) o[g][d] = _mm512_load_ps(acc[r0 + g] + 16 * d);
-        for (int key = lo; key < hi; key++)
+        for (int key = lo; key < hi; key++) {
+            int j = kb + key, second = j >= 16 * keys->split;
+            const float *vr = keys->vf[second] + (size_t)(j - 16 * keys->split * second) * D;
             for (int d = 0; d < D / 16; d++) {
-                __m512 x = _mm512_loadu_ps(vb + (size_t)key * D + 16 * d);
+                __m512 x = _mm512_loadu_ps(vr + 16 * d);
                 for (int g = 0; g < RG; g++)
                     o[g][d] = _mm512_fmadd_ps(_mm512_set1_ps(s[r0 + g][key]), x, o[g][d]);
             }
+        }
         for (int g = 0; g < RG; g++)
             for (int d = 0; d < D / 16; d++) _mm512_store_ps(acc[r0 + g] + 16 * d, o[g][d]);
     }
@@ -156,8 +178,8 @@ visible_tiles(const uint16_t *mask, int64_t ms, int r0, int nr, int kb, int nk) 
 /* Rows r0 .. r0 + nr of query head hq (kv head h = hq / G) into out. */
 static inline __attribute__((always_inline)) void
 attend_rows(const uint16_t *q, int64_t qs, const uint16_t *mask, int64_t ms, uint16_t *out,
-            int64_t os, const uint32_t *kp, const float *vf, int hq, int r0, int nr, int L,
-            int off, float scale, const int D) {
+            int64_t os, const Keys *keys, int hq, int r0, int nr, int L, int off, float scale,
+            const int D) {
     uint32_t qp[ROWS][MAX_D / 2] __attribute__((aligned(64)));
     float s[ROWS][KEYS] __attribute__((aligned(64)));
     float acc[ROWS][MAX_D] __attribute__((aligned(64)));
@@ -175,9 +197,11 @@ attend_rows(const uint16_t *q, int64_t qs, const uint16_t *mask, int64_t ms, uin
         unsigned tiles = mask ? visible_tiles(mask, ms, r0, nr, kb, nk) : (1u << KEYS / 16) - 1;
         if (!tiles) continue; /* nothing visible: m, l and acc stay */
         for (int c = 0; c < nk; c += 16) {
+            int t = (kb + c) / 16, second = t >= keys->split;
             if (tiles >> (c / 16) & 1)
                 tile_scores((const uint32_t (*)[MAX_D / 2])qp,
-                            kp + (size_t)((kb + c) / 16) * (D / 2) * 16, D, scale, s, c);
+                            keys->kp[second] + (size_t)(t - keys->split * second) * (D / 2) * 16,
+                            D, scale, s, c);
             else
                 for (int r = 0; r < ROWS; r++) _mm512_store_ps(s[r] + c, _mm512_set1_ps(-INFINITY));
         }
@@ -188,7 +212,7 @@ attend_rows(const uint16_t *q, int64_t qs, const uint16_t *mask, int64_t ms, uin
                           m + r, l + r, acc[r], D);
         }
         int hi = 16 * (32 - __builtin_clz(tiles));
-        values_block(s, vf + (size_t)kb * D, 16 * __builtin_ctz(tiles), hi < nk ? hi : nk, D, acc);
+        values_block(s, keys, kb, 16 * __builtin_ctz(tiles), hi < nk ? hi : nk, D, acc);
     }
     for (int r = 0; r < nr; r++) {
         uint16_t *dst = out + (size_t)(r0 + r) * os + (size_t)hq * D;
@@ -216,13 +240,84 @@ void prefill_attention(const uint16_t *q, int64_t qs, const uint16_t *k, int64_t
         int hq = i % Hq, r0 = (blocks - 1 - i / Hq) * ROWS, nr = n - r0 < ROWS ? n - r0 : ROWS;
         const uint32_t *kh = kp + (size_t)(hq / G) * tiles * 16 * (D / 2);
         const float *vh = vf + (size_t)(hq / G) * L * D;
+        Keys keys = {{kh, kh}, {vh, vh}, tiles};
         if (D == 64)
-            attend_rows(q, qs, mask, ms, out, os, kh, vh, hq, r0, nr, L, L - n, scale, 64);
+            attend_rows(q, qs, mask, ms, out, os, &keys, hq, r0, nr, L, L - n, scale, 64);
         else if (D == 128)
-            attend_rows(q, qs, mask, ms, out, os, kh, vh, hq, r0, nr, L, L - n, scale, 128);
+            attend_rows(q, qs, mask, ms, out, os, &keys, hq, r0, nr, L, L - n, scale, 128);
         else
-            attend_rows(q, qs, mask, ms, out, os, kh, vh, hq, r0, nr, L, L - n, scale, D);
+            attend_rows(q, qs, mask, ms, out, os, &keys, hq, r0, nr, L, L - n, scale, D);
     }
+    free(kp);
+    free(vf);
+}
+
+/* A chunk's pieces in one call: q [n, Hq, D] (qs), out [n, Hq, D] (os); pool keys, values
+ * pk, pv [P, H, D] (pks, pvs), staged ones sk, sv [S, H, D] (sks, svs), all bf16 with each
+ * token's heads contiguous, P and S the most any piece reads. pieces [num_pieces][7]: rows
+ * row0 .. row1 of the chunk attend
+ * pool keys 0 .. num_pool then staged keys staged0 .. staged1 under their additive bf16 mask
+ * [row1 - row0, num_pool + staged1 - staged0] (address, row stride). num_pool and staged0
+ * are multiples of 16, so each 16-key tile of a piece's keys is one pool tile or one staged
+ * tile: attend_rows walks them as prefill_attention walks the concatenation (keys past it
+ * are masked before the softmax, so the staged tiles' tails need not be zero). */
+void prefill_attention_pieces(const uint16_t *q, int64_t qs, const uint16_t *pk, int64_t pks,
+                              const uint16_t *pv, int64_t pvs, const uint16_t *sk,
+                              int64_t sks, const uint16_t *sv, int64_t svs,
+                              const int64_t (*pieces)[7], int num_pieces, uint16_t *out,
+                              int64_t os, int Hq, int H, int D, float scale) {
+    int P = 0, S = 0, G = Hq / H, num_tasks = 0;
+    for (int i = 0; i < num_pieces; i++) {
+        P = pieces[i][2] > P ? (int)pieces[i][2] : P;
+        S = pieces[i][4] > S ? (int)pieces[i][4] : S;
+        num_tasks += (pieces[i][1] - pieces[i][0] + ROWS - 1) / ROWS;
+    }
+    int pt = P / 16, st = (S + 15) / 16;
+    uint32_t *kp = aligned_alloc(64, (size_t)H * (pt + st) * 16 * D * 2 + 64);
+    float *vf = aligned_alloc(64, ((size_t)H * (P + S) * D * 4 + 127) / 64 * 64);
+    uint32_t *kps = kp + (size_t)H * pt * 16 * (D / 2);
+    float *vfs = vf + (size_t)H * P * D;
+    int (*tasks)[2] = malloc(sizeof(int[2]) * (num_tasks + 1));
+    num_tasks = 0;
+    for (int i = num_pieces - 1; i >= 0; i--) /* the last (longest) pieces and rows first */
+        for (int r0 = (pieces[i][1] - pieces[i][0] - 1) / ROWS * ROWS; r0 >= 0; r0 -= ROWS)
+            tasks[num_tasks][0] = i, tasks[num_tasks++][1] = r0;
+#pragma omp parallel
+    {
+#pragma omp for collapse(2) schedule(static) nowait
+        for (int h = 0; h < H; h++)
+            for (int t = 0; t < pt; t++)
+                pack_tile(pk, pks, P, D, h, t, kp + ((size_t)h * pt + t) * (D / 2) * 16);
+#pragma omp for collapse(2) schedule(static) nowait
+        for (int h = 0; h < H; h++)
+            for (int t = 0; t < st; t++)
+                pack_tile(sk, sks, S, D, h, t, kps + ((size_t)h * st + t) * (D / 2) * 16);
+#pragma omp for collapse(2) schedule(static) nowait
+        for (int h = 0; h < H; h++)
+            for (int j = 0; j < P; j++) widen_row(pv, pvs, D, h, j, vf + ((size_t)h * P + j) * D);
+#pragma omp for collapse(2) schedule(static)
+        for (int h = 0; h < H; h++)
+            for (int j = 0; j < S; j++) widen_row(sv, svs, D, h, j, vfs + ((size_t)h * S + j) * D);
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < num_tasks * Hq; i++) {
+            const int64_t *p = pieces[tasks[i / Hq][0]];
+            int hq = i % Hq, h = hq / G, r0 = tasks[i / Hq][1], n = (int)(p[1] - p[0]);
+            int num_pool = (int)p[2], s0 = (int)p[3], L = num_pool + (int)(p[4] - p[3]);
+            int nr = n - r0 < ROWS ? n - r0 : ROWS;
+            Keys keys = {{kp + (size_t)h * pt * 16 * (D / 2),
+                          kps + ((size_t)h * st + s0 / 16) * 16 * (D / 2)},
+                         {vf + (size_t)h * P * D, vfs + ((size_t)h * S + s0) * D}, num_pool / 16};
+            const uint16_t *qp = q + p[0] * qs, *mask = (const uint16_t *)(intptr_t)p[5];
+            uint16_t *op = out + p[0] * os;
+            if (D == 64)
+                attend_rows(qp, qs, mask, p[6], op, os, &keys, hq, r0, nr, L, L - n, scale, 64);
+            else if (D == 128)
+                attend_rows(qp, qs, mask, p[6], op, os, &keys, hq, r0, nr, L, L - n, scale, 128);
+            else
+                attend_rows(qp, qs, mask, p[6], op, os, &keys, hq, r0, nr, L, L - n, scale, D);
+        }
+    }
+    free(tasks);
     free(kp);
     free(vf);
 }
