@@ -12,9 +12,11 @@ stage kernel writes as it writes staging.
 
 An int8 pool's blocks go in and out through :mod:`slimkv.backends.cpu_kv`'s kernel: the
 pool's writer quantizes whole blocks, and a prefill chunk reads its prefix dequantized
-straight into the model dtype, each piece's staged keys copied in after its pool keys
-(pieces last to first, each overwriting only keys the earlier ones do not see) instead of
-concatenated with them.
+straight into the model dtype. A staged bf16 chunk (int8, int4, fp8 keys) then attends in
+one call of the prefill kernel for all its pieces (:mod:`slimkv.backends.cpu_prefill`);
+elsewhere piece by piece, an int8 pool's with each piece's staged keys copied in after its
+pool keys (pieces last to first, each overwriting only keys the earlier ones do not see)
+instead of concatenated with them.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch import Tensor
 from slimkv.attention import prefill
 from slimkv.attention.metadata import AttentionMetadata, DecodePlan, PrefillChunk
 from slimkv.attention.sdpa import SdpaBackend
+from slimkv.backends import cpu_prefill
 from slimkv.backends.cpu_kv import KINDS as KV_KINDS
 from slimkv.backends.cpu_kv import CpuPoolWriter, int8_mode, kv_blocks_kernel
 from slimkv.backends.cpu_stage import KINDS, stage_kernel
@@ -41,6 +44,9 @@ from slimkv.stats import cdiv
 
 class CpuBackend(SdpaBackend):
     decode_path = "fused_decode"
+    # A staged bf16 chunk's pieces in one kernel call (cpu_prefill); False: piece by piece,
+    # as before issue 47 (tests compare the two).
+    one_call_prefill = True
 
     @staticmethod
     def unavailable(cache: PagedKVCache) -> str | None:
@@ -96,9 +102,16 @@ class CpuBackend(SdpaBackend):
     def prefill(self, layer: int, q: Tensor, chunk: PrefillChunk, staged: StagedKV | None,
                 meta: AttentionMetadata) -> Tensor:
         modes = self.modes[layer]
-        if self.blocks is None or None in modes or type(q) is not torch.Tensor:
+        int8 = self.blocks is not None and None not in modes
+        one_call = self.one_call_prefill and staged is not None and q.dtype == torch.bfloat16
+        if type(q) is not torch.Tensor or not (int8 or one_call):
             return super().prefill(layer, q, chunk, staged, meta)
         pieces = self.pieces(q, chunk, staged, meta)
+        if not int8:  # SdpaBackend.prefill's keys and pieces
+            k, v = (x[0] for x in (self.staging or self.cache).read_prefix(
+                layer, meta.block_tables[chunk.seq:chunk.seq + 1], chunk.seq_len, self.dtype))
+            out = cpu_prefill.one_call(q, k, v, staged, pieces, self.scale)
+            return prefill.run(pieces, q, k, v, staged, self.scale) if out is None else out
         rows = max(p.num_pool_keys + (p.staged.stop - p.staged.start if p.staged else 0)
                    for p in pieces)
         pool = max(p.num_pool_keys for p in pieces)
@@ -108,6 +121,9 @@ class CpuBackend(SdpaBackend):
         if self.staging is not None and self.staging.num_sink and len(ids):  # block 0 at float
             bs, row = self.cache.block_size, ids[0] + self.staging.sink_shift
             k[:bs], v[:bs] = self.staging.buffer[:, layer, row].to(self.dtype)
+        out = cpu_prefill.one_call(q, k, v, staged, pieces, self.scale) if one_call else None
+        if out is not None:
+            return out
         out = torch.empty_like(q)
         for p in reversed(pieces):  # pool keys grow piece by piece
             n = p.num_pool_keys

@@ -23,8 +23,8 @@ class PrefillKernel:
                                                             i64, ptr, i64, i32, i32, i32, i32,
                                                             i32, ctypes.c_float])
         fn = getattr(lib, "prefill_attention_pieces", None)  # None: an older build (A/B)
-        self._pieces = fn and build.signature(fn, [ptr, i64] * 5 + [ptr, i32, ptr, i64, i32, i32,
-                                                                   i32, ctypes.c_float])
+        self.pieces_fn = fn and build.signature(fn, [ptr, i64] * 5 + [ptr, i32, ptr, i64, i32,
+                                                                      i32, i32, ctypes.c_float])
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
                  scale: float) -> Tensor:
@@ -50,7 +50,7 @@ class PrefillKernel:
                                p.staged.stop, p.mask.data_ptr(), p.mask.stride(0))
                               for p in pieces], dtype=torch.int64)  # [pieces, 7]
         out = torch.empty(q.shape, dtype=q.dtype)
-        self._pieces(*(a for x in (q, pool_k, pool_v, staged_k, staged_v)
+        self.pieces_fn(*(a for x in (q, pool_k, pool_v, staged_k, staged_v)
                        for a in (x.data_ptr(), x.stride(0))), table.data_ptr(), len(table),
                      out.data_ptr(), out.stride(0), q.shape[1], pool_k.shape[1], q.shape[2], scale)
         return out
