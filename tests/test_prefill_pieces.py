@@ -3,8 +3,8 @@ today's per-piece calls (slimkv.attention.prefill.run) bit for bit: first chunks
 after a prefix (pieces starting mid-block, pool prefixes not a multiple of 64 keys), partial
 last blocks, ragged chunk sizes, grouped heads, head dims 64, 96 (the generic path) and 128,
 outliers. A wrong table (staged slice a tile off, a tile of pool keys short) shows the
-comparison can fail. End to end: the CPU engine's tokens, pool and staging bytes with int8
-and int4 KV equal the per-piece path's."""
+comparison can fail. End to end: the CPU engine's tokens, pool and staging bytes with int8,
+int4 and fp8 KV equal the per-piece path's."""
 
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ def _engine_run(kv_dtype: str, one_call: bool, monkeypatch) -> tuple:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "fp8"])
 def test_engine_one_call_prefill_equals_the_per_piece_path(kernel, kv_dtype, monkeypatch):
     tokens, pool, staging, calls = _engine_run(kv_dtype, True, monkeypatch)
     want_tokens, want_pool, want_staging, old_calls = _engine_run(kv_dtype, False, monkeypatch)
