@@ -255,12 +255,13 @@ void prefill_attention(const uint16_t *q, int64_t qs, const uint16_t *k, int64_t
 /* A chunk's pieces in one call: q [n, Hq, D] (qs), out [n, Hq, D] (os); pool keys, values
  * pk, pv [P, H, D] (pks, pvs), staged ones sk, sv [S, H, D] (sks, svs), all bf16 with each
  * token's heads contiguous, P and S the most any piece reads. pieces [num_pieces][7]: rows
- * row0 .. row1 of the chunk attend
- * pool keys 0 .. num_pool then staged keys staged0 .. staged1 under their additive bf16 mask
- * [row1 - row0, num_pool + staged1 - staged0] (address, row stride). num_pool and staged0
- * are multiples of 16, so each 16-key tile of a piece's keys is one pool tile or one staged
- * tile: attend_rows walks them as prefill_attention walks the concatenation (keys past it
- * are masked before the softmax, so the staged tiles' tails need not be zero). */
+ * row0 .. row1 of the chunk attend pool keys 0 .. num_pool then staged keys staged0 ..
+ * staged1 under their additive bf16 mask [row1 - row0, num_pool + staged1 - staged0]
+ * (address, row stride), in the order row0, row1, num_pool, staged0, staged1, mask address,
+ * mask row stride. num_pool and staged0 are multiples of 16, so each 16-key tile of a
+ * piece's keys is one pool tile or one staged tile: attend_rows walks them as
+ * prefill_attention walks the concatenation (keys past it are masked before the softmax, so
+ * the staged tiles' tails need not be zero). */
 void prefill_attention_pieces(const uint16_t *q, int64_t qs, const uint16_t *pk, int64_t pks,
                               const uint16_t *pv, int64_t pvs, const uint16_t *sk,
                               int64_t sks, const uint16_t *sv, int64_t svs,
