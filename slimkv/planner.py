@@ -19,7 +19,7 @@ import torch
 
 from slimkv.config import DEFAULT_K_SCALE, INT4_GROUP, ConfigError
 from slimkv.kv.cache import PagedKVCache
-from slimkv.kv.staging import Staging
+from slimkv.kv.staging import SINK_SHARE, Staging
 from slimkv.engine.memory import activation_peak, weight_bytes
 from slimkv.model.llama import ModelArgs, Transformer
 from slimkv.stats import cdiv
@@ -181,6 +181,10 @@ def _row(args: ModelArgs, kv: str, budget: int, block_size: int, context: int,
                  int4_group_size=int4_group_size)
     staged = Staging.needed(kv, kv, args.head_dim, k_scale)
     sinks = sink_blocks(kv, sessions + 1) if staged else 0
+    if sinks:  # capped to a share of the budget, as the engine caps them
+        one = (Staging.bytes(args.num_layers, args.num_kv_heads, args.head_dim, block_size, 1,
+                             dtype) + PagedKVCache.block_bytes(**shape, block_size=block_size))
+        sinks = min(sinks, budget // SINK_SHARE // one)
     staging = Staging.bytes(args.num_layers, args.num_kv_heads, args.head_dim, block_size,
                             sessions + 1 + sinks, dtype) if staged else 0
     blocks = PagedKVCache.num_blocks_for_budget(budget, staging, **shape,
@@ -195,19 +199,10 @@ def _row(args: ModelArgs, kv: str, budget: int, block_size: int, context: int,
 
 def sink_blocks(kv: str, num_staging_slots: int, sink_block: bool = True) -> int:
     """Blocks of the float sink region (``kv_cache.int4.sink_block``, docs/kv-formats.md):
-    two per staging slot, as the engine sizes it (slimkv/engine/runner.py), each taking a
-    float block in the staging buffer and a pool block's bytes."""
+    two per staging slot, as the engine sizes it (slimkv/engine/runner.py: at most
+    1/``SINK_SHARE`` of the budget, which :func:`_row` applies), each taking a float block in
+    the staging buffer and a pool block's bytes."""
     return 2 * num_staging_slots if kv == "int4" and sink_block else 0
-
-
-def sink_bytes_per_sequence(args: ModelArgs, kv: str, block_size: int, k_scale: str,
-                            dtype: torch.dtype) -> int:
-    """What the sink costs per running sequence (its two blocks: capacity counts)."""
-    shape = dict(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
-                 head_dim=args.head_dim, k_dtype=kv, v_dtype=kv, k_scale=k_scale)
-    per_block = (Staging.bytes(args.num_layers, args.num_kv_heads, args.head_dim, block_size, 1,
-                               dtype) + PagedKVCache.block_bytes(**shape, block_size=block_size))
-    return sink_blocks(kv, 1) * per_block
 
 
 def format_plan(p: Plan, selected: str | None = None) -> str:

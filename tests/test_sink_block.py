@@ -307,3 +307,56 @@ def test_a_decode_that_fills_block_zero_keeps_it_and_the_next_reads_it(backend):
     pool_copy = reference_paged_attention(cache, 0, steps[1][0], meta, 0.125, torch.float32,
                                           staging)
     assert not torch.allclose(pool_copy, reference, rtol=1e-3, atol=1e-3)
+
+
+def test_block_zero_is_quantized_when_the_sink_region_has_none_free():
+    pool = BlockPool(6, num_sink=1)
+    a = pool.get_new_blocks(2, sink=True)
+    b = pool.get_new_blocks(2, sink=True)  # the region's one block is a's
+    assert [x.block_id for x in a] == [5, 0] and [x.block_id for x in b] == [1, 2]
+    pool.free_blocks(reversed(a))
+    pool.free_blocks(reversed(b))
+    assert pool.num_free_blocks == 5 and len(pool.sink_queue) == 1
+    assert [x.block_id for x in pool.get_new_blocks(6, sink=True)][:2] == [5, 3]  # all 6
+    with pytest.raises(ValueError, match="asked for 1 blocks, 0 free"):
+        pool.get_new_blocks(1, sink=True)  # no sink free either: a regular block is needed
+
+
+def _budget_llm(sink_block: bool | None = None) -> LLM:
+    # ~20 MiB: a sixteenth holds one float32 sink block (and its pool block), not two.
+    return _llm(num_blocks=None, memory_gb=0.02, int4={"sink_block": sink_block})
+
+
+@pytest.mark.slow
+def test_the_sink_region_takes_at_most_a_sixteenth_of_the_budget():
+    runner = _budget_llm().engine.runner
+    dims = (runner.cache.num_layers, runner.cache.num_kv_heads, runner.cache.head_dim)
+    float_block = 2 * BS * dims[0] * dims[1] * dims[2] * 4     # K and V rows, float32
+    one = float_block + PagedKVCache.block_bytes(
+        num_layers=dims[0], num_kv_heads=dims[1], head_dim=dims[2], k_dtype="int4",
+        v_dtype="int4", k_scale="per_channel_block", block_size=BS)
+    budget = int(0.02 * 2**30)
+    assert runner.num_sink == 1 < 2 * runner.num_staging_slots
+    assert one * runner.num_sink <= budget / 16 < one * (runner.num_sink + 1)
+
+
+@pytest.mark.slow
+def test_past_the_sink_region_a_sequence_runs_as_without_a_sink():
+    """Two prompts at once and one sink block: the first takes it and generates what an engine
+    with sinks to spare gives it; the second's block 0 is quantized, and it generates what an
+    engine without a sink gives it."""
+    prompts = [_prompt(None, 40, 7), _prompt(None, 40, 8)]
+    capped = _budget_llm()
+    engine = capped.engine
+    seqs = [engine.add_request(p, GREEDY) for p in prompts]
+    engine.step()  # both prompts' prefill
+    sink_from = engine.pool.sink_from
+    assert engine.runner.num_sink == 1
+    assert seqs[0].blocks[0].block_id >= sink_from > seqs[1].blocks[0].block_id
+    while engine.has_unfinished():
+        engine.step()
+    spare = [r.token_ids for r in _llm().generate(prompts, GREEDY)]
+    none = [r.token_ids for r in _budget_llm(False).generate(prompts, GREEDY)]
+    got = [list(s.output_token_ids) for s in seqs]
+    assert got[0] == spare[0] and got[1] == none[1]
+    _idle(capped)

@@ -118,7 +118,8 @@ class CpuBackend(SdpaBackend):
         ids = meta.block_tables[chunk.seq, :cdiv(pool, self.cache.block_size)]
         k, v = (self.blocks.read(self.cache.layer_pool(side, layer), mode, ids, self.dtype, rows)
                 for side, mode in zip(("k", "v"), modes))
-        if self.staging is not None and self.staging.num_sink and len(ids):  # block 0 at float
+        if self.staging is not None and self.staging.num_sink and len(ids) and \
+                ids[0] >= self.staging.sink_from:  # block 0 at float (a sink id)
             bs, row = self.cache.block_size, ids[0] + self.staging.sink_shift
             k[:bs], v[:bs] = self.staging.buffer[:, layer, row].to(self.dtype)
         out = cpu_prefill.one_call(q, k, v, staged, pieces, self.scale) if one_call else None

@@ -17,7 +17,7 @@ import torch
 from slimkv.attention.layer import Kernels, PagedAttention
 from slimkv.config import Config, ConfigError
 from slimkv.kv.cache import PagedKVCache
-from slimkv.kv.staging import Staging
+from slimkv.kv.staging import SINK_SHARE, Staging
 from slimkv.engine.memory import activation_peak, device_kv_budget, weight_bytes
 from slimkv.model.lean import set_activations
 from slimkv.model.protocol import ModelLoader
@@ -100,7 +100,7 @@ class ModelRunner:
         # One staging slot per running sequence, plus one for score().
         self.num_staging_slots = kv.max_concurrency_soft + 1 if staged else 0
         # kv_cache.int4.sink_block (docs/kv-formats.md): a float block 0 per staging slot,
-        # as many again for cached heads; their bytes come out of the same budget.
+        # as many again for cached heads, capped in _num_blocks; bytes from the same budget.
         int4 = "int4" in (self.k_dtype, self.v_dtype, *(kv.layer_dtypes or {}))
         sink = kv.offload is None if kv.int4.sink_block is None else kv.int4.sink_block
         self.num_sink = 2 * self.num_staging_slots if int4 and sink and kv.paged else 0
@@ -140,10 +140,12 @@ class ModelRunner:
         kv = self.config.kv_cache
         if kv.num_blocks:  # the sink region's ids after them
             return kv.num_blocks + self.num_sink
-        staging = Staging.bytes(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"],
-                                kv.block_size, self.num_staging_slots + self.num_sink, self.dtype)
         budget = (int(kv.memory_gb * GiB) if kv.memory_gb is not None else
                   device_kv_budget(self.device, kv.memory_fraction, self.activation_bytes))
+        dims = (shape["num_layers"], shape["num_kv_heads"], shape["head_dim"], kv.block_size)
+        sink = Staging.bytes(*dims, 1, self.dtype) + round(self.bytes_per_token * kv.block_size)
+        self.num_sink = min(self.num_sink, budget // SINK_SHARE // sink)
+        staging = Staging.bytes(*dims, self.num_staging_slots + self.num_sink, self.dtype)
         num_blocks = PagedKVCache.num_blocks_for_budget(budget, staging, **shape,
                                                         block_size=kv.block_size)
         if num_blocks <= self.num_sink:

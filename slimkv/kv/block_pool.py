@@ -146,7 +146,9 @@ class BlockPool:
 
     def get_new_blocks(self, n: int, sink: bool = False) -> list[Block]:
         """Hand out ``n`` empty blocks, evicting the cached content of reused ones; with
-        ``sink``, the first from the sink region."""
+        ``sink``, the first from the sink region if it has one free (else it is quantized like
+        the rest: every reader decides per block id)."""
+        sink = sink and len(self.sink_queue) > 0
         if n - sink > self.num_free_blocks:
             raise ValueError(f"asked for {n} blocks, {self.num_free_blocks} free")
         out = []

@@ -28,6 +28,10 @@ from torch import Tensor
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.layers import LayerDtypes, dtype_pairs, side_codec
 
+# The float sink region (kv_cache.int4.sink_block) holds two blocks per staging slot (each
+# running sequence's block 0, as many again for cached heads) in at most 1/SINK_SHARE of the
+# KV budget, each a float row here and a pool block; past it block 0 is quantized like the rest.
+SINK_SHARE = 16
 
 @dataclass(slots=True)
 class StagedKV:
@@ -92,9 +96,10 @@ class Staging:
             self.cache.write_blocks(layer, block_ids[:num_full],
                                     k_ctx[:num_full * bs].unflatten(0, (num_full, bs)),
                                     v_ctx[:num_full * bs].unflatten(0, (num_full, bs)))
-        if num_full and start < bs and self.num_sink:  # block 0 (a sink id) filled
-            sink = torch.stack((k_ctx[:bs], v_ctx[:bs]))
-            self.buffer[:, layer, block_ids[0] + self.sink_shift] = sink
+        if num_full and start < bs and self.num_sink:  # block 0 filled: into a sink id's row
+            # (a quantized block 0's go to the slot, overwritten below: no host sync)
+            row = torch.where(block_ids[0] >= self.sink_from, block_ids[0] + self.sink_shift, slot)
+            self.buffer[:, layer, row] = torch.stack((k_ctx[:bs], v_ctx[:bs]))
         last = (len(k_ctx) - 1) // bs * bs
         for side, ctx in enumerate((k_ctx, v_ctx)):
             self.buffer[side, layer, slot, :len(ctx) - last] = ctx[last:]
@@ -139,9 +144,11 @@ class Staging:
         """:meth:`PagedKVCache.read_prefix` with block 0 from its float row where the cache
         keeps a sink (the pool holds its quantized copy: no kernel reads it)."""
         k, v = self.cache.read_prefix(layer, block_tables, num_tokens, dtype)  # [B, n, H, D]
-        if self.num_sink:  # every block 0 has a sink id, a partial one is staged
-            sink = self.buffer[:, layer, block_tables[:, 0] + self.sink_shift].to(dtype)
-            k[:, :self.block_size], v[:, :self.block_size] = sink
+        if self.num_sink:  # block 0 with a sink id (a partial one is staged) from its row
+            ids, bs = block_tables[:, 0], self.block_size
+            keep = (ids >= self.sink_from).view(-1, 1, 1, 1)  # else row 0, read and dropped
+            sink = self.buffer[:, layer, torch.where(keep.flatten(), ids + self.sink_shift, 0)]
+            k[:, :bs], v[:, :bs] = torch.where(keep, sink.to(dtype), torch.stack((k, v))[:, :, :bs])
         return k, v
 
     def overlay(self, layer: int, k: Tensor, v: Tensor, slots: Tensor,
