@@ -58,8 +58,9 @@ def test_floor_is_near_zero_in_float32_and_not_in_bf16() -> None:
 
 
 def test_a_tiny_stats_run_reports_intervals_and_mcnemar() -> None:
-    suite = dataclasses.replace(SUITES["stats"], num_windows=3, keys_per_cell=2,
-                                placements=("block0", "edge16"), depths=(1.0,))
+    suite = dataclasses.replace(SUITES["stats"], num_windows=3, keys_per_cell=2, window=256,
+                                passkey_contexts=(256,), placements=("block0", "edge16"),
+                                depths=(1.0,))  # the stats suite's machinery at 256 tokens
     ev = run_eval(_config("float32"), ["float32"], suite, progress=False)
     assert [run.dtype for run in ev.runs] == ["float32@chunk=64", "float32"]
     assert ev.floor is ev.runs[0] and len(ev.reference.windows) == 3
