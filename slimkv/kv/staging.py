@@ -147,8 +147,8 @@ class Staging:
         if self.num_sink:  # block 0 with a sink id (a partial one is staged) from its row
             ids, bs = block_tables[:, 0], self.block_size
             keep = (ids >= self.sink_from).view(-1, 1, 1, 1)  # else row 0, read and dropped
-            sink = self.buffer[:, layer, torch.where(keep.flatten(), ids + self.sink_shift, 0)]
-            k[:, :bs], v[:, :bs] = torch.where(keep, sink.to(dtype), torch.stack((k, v))[:, :, :bs])
+            s = self.buffer[:, layer, torch.where(keep.flatten(), ids + self.sink_shift, 0)].to(dtype)
+            k[:, :bs], v[:, :bs] = torch.where(keep, s, torch.stack((k[:, :bs], v[:, :bs])))
         return k, v
 
     def overlay(self, layer: int, k: Tensor, v: Tensor, slots: Tensor,
