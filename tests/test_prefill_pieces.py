@@ -1,4 +1,4 @@
-"""A staged chunk's pieces in one prefill kernel call (PrefillKernel.pieces, issue 47) give
+"""A staged chunk's pieces in one prefill kernel call (backends/cpu_prefill.pieces, issue 47) give
 today's per-piece calls (slimkv.attention.prefill.run) bit for bit: first chunks, chunks
 after a prefix (pieces starting mid-block, pool prefixes not a multiple of 64 keys), partial
 last blocks, ragged chunk sizes, grouped heads, head dims 64, 96 (the generic path) and 128,
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from slimkv.attention import prefill
+from slimkv.backends import cpu_prefill
 from slimkv.backends.cpu import CpuBackend
 from slimkv.config import Config
 from slimkv.engine.sampling import SamplingParams
@@ -69,7 +70,7 @@ def test_one_call_equals_the_pieces_one_by_one(kernel, seq_len, query_len, heads
     q, k, v, staged, pieces = _chunk(seq_len, query_len, heads, head_dim, seq_len + query_len)
     scale = head_dim ** -0.5
     want = prefill.run(pieces, q, k, v, staged, scale)  # each piece in the kernel
-    got = kernel.pieces(q, k, v, staged.k, staged.v, pieces, scale)
+    got = cpu_prefill.pieces(kernel, q, k, v, staged.k, staged.v, pieces, scale)
     assert torch.equal(got, want)
 
 
@@ -82,7 +83,8 @@ def test_strided_queries_and_unread_pool_keys(kernel) -> None:
     want = prefill.run(pieces, q, k, v, staged, 0.125)
     pool = max(p.num_pool_keys for p in pieces)
     k[pool:], v[pool:] = float("nan"), float("nan")
-    assert torch.equal(kernel.pieces(wide[:, :9], k, v, staged.k, staged.v, pieces, 0.125), want)
+    assert torch.equal(cpu_prefill.pieces(kernel, wide[:, :9], k, v, staged.k, staged.v, pieces,
+                                            0.125), want)
 
 
 def test_a_wrong_table_fails_the_comparison(kernel) -> None:
@@ -95,7 +97,8 @@ def test_a_wrong_table_fails_the_comparison(kernel) -> None:
                          p.mask)
     short = prefill.Piece(p.rows, p.num_pool_keys - BS, p.staged, p.mask)
     for wrong in (late, short):
-        got = kernel.pieces(q, k, v, staged.k, staged.v, (pieces[0], wrong, *pieces[2:]), 0.125)
+        got = cpu_prefill.pieces(kernel, q, k, v, staged.k, staged.v,
+                                 (pieces[0], wrong, *pieces[2:]), 0.125)
         assert not torch.equal(got, want)
         assert torch.equal(got[:p.rows.start], want[:p.rows.start])  # only that piece moved
         assert torch.equal(got[p.rows.stop:], want[p.rows.stop:])
@@ -129,9 +132,8 @@ def _engine_run(kv_dtype: str, one_call: bool, monkeypatch) -> tuple:
     assert isinstance(backend, CpuBackend) and llm.engine.runner.staging is not None
     backend.one_call_prefill = one_call
     calls = []
-    pieces = PrefillKernel.pieces
-    monkeypatch.setattr(PrefillKernel, "pieces",
-                        lambda self, *args: calls.append(1) or pieces(self, *args))
+    pieces = cpu_prefill.pieces
+    monkeypatch.setattr(cpu_prefill, "pieces", lambda *args: calls.append(1) or pieces(*args))
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 20000, (n,), generator=gen).tolist() for n in (600, 590)]
     tokens = [r.token_ids for r in llm.generate(prompts, GREEDY)]

@@ -15,7 +15,7 @@ from slimkv.backends import KERNELS
 from slimkv.config import Config, ConfigError
 from slimkv.engine.sampling import SamplingParams
 from slimkv.kernels import build
-from slimkv.kv.block_pool import BlockPool
+from slimkv.kv.block_pool import BlockPool, hash_block
 from slimkv.kv.cache import PagedKVCache
 from slimkv.kv.staging import Staging
 from slimkv.llm import LLM
@@ -185,6 +185,28 @@ def test_the_sink_queue_serves_block_zero_and_gets_every_block_back():
     assert len(pool.sink_queue) == 3 and pool.free_queue.num_blocks == 7
 
 
+def test_a_cached_sink_handed_out_again_leaves_its_hash_to_a_regular_copy():
+    """Under chained hashes a lost block 0 loses the whole prefix: the sink's quantized copy
+    goes to the least recently used regular block (on_demote copies it) with its hash."""
+    pool, copies = BlockPool(10, num_sink=2), []
+    pool.on_demote = lambda src, dst: copies.append((src, dst))
+    head = pool.get_new_blocks(2, sink=True)
+    assert [b.block_id for b in head] == [8, 0]
+    pool.cache_block(head[0], b"h" * 16)
+    pool.free_blocks(reversed(head))
+    assert [b.block_id for b in pool.get_new_blocks(1, sink=True)] == [9]  # an empty sink first
+    assert not copies
+    assert [b.block_id for b in pool.get_new_blocks(2, sink=True)] == [8, 2]
+    assert copies == [(8, 1)] and pool.get_cached_block(b"h" * 16) is pool.blocks[1]
+    assert pool.blocks[8].block_hash is None and pool.blocks[1].state == "cached"
+    assert pool.num_free_blocks == 7  # of 8: block 2 held, the copy free (cached)
+    pool.on_demote = None  # no copier (or too few free blocks): the head is lost, as before
+    pool.free_blocks(pool.blocks[8:9])
+    pool.cache_block(pool.blocks[8], b"g" * 16)
+    pool.get_new_blocks(1, sink=True)
+    assert pool.get_cached_block(b"g" * 16) is None
+
+
 # -- the engine ---------------------------------------------------------------------------
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -241,6 +263,30 @@ def test_engine_keeps_block_zero_at_float_and_a_hit_equals_a_miss(sink_llm: LLM)
     hit = sink_llm.generate([prompt], GREEDY)[0]
     assert hit.token_ids == list(miss)
     assert engine.manager.num_prefix_hits >= 2 * BS
+    _idle(sink_llm)
+
+
+@pytest.mark.slow
+def test_engine_keeps_a_prefix_whose_sink_block_went_to_other_sequences(sink_llm: LLM):
+    """Every sink block handed out again after the prompt's: its prefix is still hit, block 0
+    from the regular copy of the sink's quantized block."""
+    engine, cache = sink_llm.engine, sink_llm.engine.runner.cache
+    prompt = _prompt(sink_llm, 40, 10)
+    seq = engine.add_request(prompt, GREEDY)
+    engine.step()
+    sink_id = seq.blocks[0].block_id
+    while engine.has_unfinished():
+        engine.step()
+    pooled = {name: t[:, sink_id].clone() for name, t in cache.tensors().items()}
+    sink_llm.generate([_prompt(sink_llm, 20, 100 + i) for i in range(engine.pool.num_sink)],
+                      GREEDY)
+    copy = engine.pool.get_cached_block(hash_block(None, prompt[:BS]))
+    assert copy is not None and copy.block_id < engine.pool.sink_from
+    for name, t in cache.tensors().items():
+        assert torch.equal(t[:, copy.block_id], pooled[name]), name
+    hits = engine.manager.num_prefix_hits
+    assert len(sink_llm.generate([prompt], GREEDY)[0].token_ids) == GREEDY.max_tokens
+    assert engine.manager.num_prefix_hits - hits == 2 * BS
     _idle(sink_llm)
 
 

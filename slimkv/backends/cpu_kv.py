@@ -40,19 +40,20 @@ def _real(x: Tensor) -> bool:
 class KVBlocks:
     def __init__(self, lib: ctypes.CDLL) -> None:
         i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-        self._quantize = build.signature(lib.quantize_blocks, [ptr, i64, i32, i32, i32, i32,
-                                                               i32, ptr, ptr, ptr, i32])
+        self._quantize = build.signature(lib.quantize_blocks, [ptr, i64, i64, i32, i32, i32,
+                                                               i32, i32, ptr, ptr, ptr, i32])
         self._dequantize = build.signature(lib.dequantize_blocks, [ptr, ptr, i32, ptr, i32,
                                                                    i32, i32, i32, ptr, i32])
 
     def quantize(self, x: Tensor, block_ids: Tensor, pool: QuantizedKV, mode: int) -> bool:
-        """Whole blocks ``x [n, bs, H, D]`` into ``pool`` (one layer's) at ``block_ids``;
-        False (nothing written) where the kernel does not take ``x``."""
+        """Whole blocks ``x [n, bs, H, D]`` (each token's heads contiguous: a chunk's K or V
+        as the projection left it) into ``pool`` (one layer's) at ``block_ids``; False
+        (nothing written) where the kernel does not take ``x``."""
         n, bs, heads, dim = x.shape
-        if not (_real(x) and x.dtype in KINDS and x.stride()[1:] == (heads * dim, dim, 1)):
+        if not (_real(x) and x.dtype in KINDS and x.stride()[2:] == (dim, 1)):
             return False
         ids = block_ids.to(torch.int64).contiguous()
-        self._quantize(x.data_ptr(), x.stride(0), KINDS[x.dtype], n, bs, heads, dim,
+        self._quantize(x.data_ptr(), x.stride(0), x.stride(1), KINDS[x.dtype], n, bs, heads, dim,
                        ids.data_ptr(), pool.data.data_ptr(), pool.aux["scale"].data_ptr(), mode)
         return True
 

@@ -127,17 +127,19 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
 def level_table(variant: dict[str, Any]) -> str:
     lines = ["| clients | running (peak/mean) | queued (peak) | KV in use | preemptions | "
              "requests done | no first token by the end | errors | TTFT P50 / P99 (s) | "
-             "out tok/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "out tok/s | prefix hits |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for lv in variant["levels"]:
         s, t = lv["server"], lv["ttft_s"]
         ttft = " / ".join("-" if x is None else f"{x:.2f}" for x in (t["p50"], t["p99"]))
         ttft = f">= {ttft}" if censored(lv) else ttft
+        hits = s.get("prefix_hit_rate")  # older results lack it
         lines.append(f"| {lv['concurrency']} | {s['peak_running']} / {s['mean_running']} | "
                      f"{s['peak_waiting']} | {s['peak_kv_bytes_used'] / MiB:.1f} MiB "
                      f"({s['peak_kv_blocks_used']}/{s['kv_blocks_total']} blocks) | "
                      f"{s['preemptions']} | {lv['requests_completed']} | "
                      f"{lv['requests_unserved_at_end']} | {lv['error_count']} | "
-                     f"{ttft} | {lv['output_tokens_per_s']:.1f} |")
+                     f"{ttft} | {lv['output_tokens_per_s']:.1f} | "
+                     f"{'-' if hits is None else f'{hits:.0%}'} |")
     return "\n".join(lines)
 
 

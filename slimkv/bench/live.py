@@ -107,6 +107,9 @@ class ServerLoad:
     block_size: int = 0
     preemptions_start: float | None = None
     preemptions: int = 0
+    # prefix-cache counters (prompt tokens looked up, found) at the first and last sample
+    prefix_start: tuple[float, float] | None = None
+    prefix_end: tuple[float, float] = (0.0, 0.0)
 
     def add(self, m: dict) -> None:
         running = int(m["slimkv:num_requests_running"])
@@ -122,6 +125,9 @@ class ServerLoad:
         if self.preemptions_start is None:
             self.preemptions_start = total
         self.preemptions = int(total - self.preemptions_start)
+        self.prefix_end = (m["slimkv:prefix_cache_queries_total"], m["slimkv:prefix_cache_hits_total"])
+        if self.prefix_start is None:
+            self.prefix_start = self.prefix_end
 
     def summary(self) -> dict[str, float | int]:
         block_bytes = self.bytes_per_token * self.block_size
@@ -130,7 +136,16 @@ class ServerLoad:
                 "peak_waiting": self.peak_waiting, "preemptions": self.preemptions,
                 "peak_kv_blocks_used": self.peak_blocks_used, "kv_blocks_total": self.blocks_total,
                 "peak_kv_bytes_used": self.peak_blocks_used * block_bytes,
-                "kv_pool_bytes": self.blocks_total * block_bytes}
+                "kv_pool_bytes": self.blocks_total * block_bytes,
+                "prefix_hit_rate": self.prefix_hit_rate}
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        """Prompt tokens found in the prefix cache / looked up, between the first and last
+        sample (None: no lookup)."""
+        queries, hits = (end - start for end, start in zip(self.prefix_end,
+                                                           self.prefix_start or (0.0, 0.0)))
+        return round(hits / queries, 4) if queries else None
 
 
 async def sample_metrics(url: str, load: ServerLoad, stop: asyncio.Event) -> None:

@@ -57,6 +57,7 @@ class LLMEngine:
         kv = config.kv_cache
         self.pool = BlockPool(self.runner.cache.num_blocks, kv.enable_prefix_caching and kv.paged,
                               kv.evict_policy, self.runner.num_sink)
+        self.pool.on_demote = self.runner.cache.copy_block  # a sink's cached content lives on
         opts = dict(session_ttl_s=kv.session_ttl_s,
                     num_staging_slots=self.runner.num_staging_slots)
         self.manager = (KVCacheManager(self.pool, kv.block_size, **opts) if kv.paged else

@@ -1,10 +1,11 @@
 /* int8 KV blocks in and out of the paged pool on the CPU, bit for bit the codecs'.
  *
- * quantize_blocks: whole blocks x [n, bs, H, D] (float32 / bf16 / float16, block i at
- * x + i * x_stride elements) quantized as Int8Codec (one float16 scale per token-head,
- * SCALE_TOKEN) or ChannelBlockCodec (one per block-head-channel over the block's bs tokens,
- * SCALE_BLOCK) of slimkv/kv/quant.py, block_scales.py, and stored into pool block
- * block_ids[i]: codes data [nb, bs, H, D] int8, scales [nb, bs, H, 1] or [nb, H, D].
+ * quantize_blocks: whole blocks x [n, bs, H, D] (float32 / bf16 / float16, token t of block i
+ * at x + i * x_stride + t * t_stride elements, its heads contiguous) quantized as Int8Codec
+ * (one float16 scale per token-head, SCALE_TOKEN) or ChannelBlockCodec (one per
+ * block-head-channel over the block's bs tokens, SCALE_BLOCK) of slimkv/kv/quant.py,
+ * block_scales.py, and stored into pool block block_ids[i]: codes data [nb, bs, H, D] int8,
+ * scales [nb, bs, H, 1] or [nb, H, D].
  * The codec's arithmetic, in the same order: absmax in float32, / 127 (a correctly rounded
  * float32 division), clamped to float16's smallest normal, rounded to the stored float16;
  * codes x / (float)scale rounded half to even (rintf: the default rounding mode), clamped to
@@ -63,7 +64,8 @@ static inline int8_t code(float x, float s) {
     return (int8_t)(y > 127.0f ? 127.0f : y < -127.0f ? -127.0f : y);
 }
 
-void quantize_blocks(const void *x, int64_t x_stride, int in_kind, int n, int bs, int H, int D,
+void quantize_blocks(const void *x, int64_t x_stride, int64_t t_stride, int in_kind, int n,
+                     int bs, int H, int D,
                      const int64_t *block_ids, int8_t *data, _Float16 *scale, int mode) {
     int64_t row = (int64_t)H * D, block = bs * row;
 #pragma omp parallel for collapse(2) schedule(static)
@@ -71,7 +73,7 @@ void quantize_blocks(const void *x, int64_t x_stride, int in_kind, int n, int bs
         for (int h = 0; h < H; h++) {
             const int64_t src = i * x_stride + h * D, dst = block_ids[i] * block + h * D;
             float xs[bs * D]; /* this head's bs x D values, as float32 */
-            for (int t = 0; t < bs; t++) load(x, src + t * row, in_kind, D, xs + t * D);
+            for (int t = 0; t < bs; t++) load(x, src + t * t_stride, in_kind, D, xs + t * D);
             if (mode == SCALE_BLOCK) {
                 float amax[D], s[D];
                 for (int d = 0; d < D; d++) amax[d] = 0.0f;

@@ -22,9 +22,7 @@ class PrefillKernel:
         self._fn = build.signature(lib.prefill_attention, [ptr, i64, ptr, i64, ptr, i64, ptr,
                                                             i64, ptr, i64, i32, i32, i32, i32,
                                                             i32, ctypes.c_float])
-        fn = getattr(lib, "prefill_attention_pieces", None)  # None: an older build (A/B)
-        self.pieces_fn = fn and build.signature(fn, [ptr, i64] * 5 + [ptr, i32, ptr, i64, i32,
-                                                                      i32, i32, ctypes.c_float])
+        self.lib = lib  # its other entry, prefill_attention_pieces: slimkv.backends.cpu_prefill
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
                  scale: float) -> Tensor:
@@ -37,22 +35,6 @@ class PrefillKernel:
                  v.stride(0), 0 if mask is None else mask.data_ptr(),
                  0 if mask is None else mask.stride(0), out.data_ptr(), out.stride(0), n,
                  k.shape[0], num_heads, k.shape[1], head_dim, scale)
-        return out
-
-    def pieces(self, q: Tensor, pool_k: Tensor, pool_v: Tensor, staged_k: Tensor,
-               staged_v: Tensor, pieces, scale: float) -> Tensor:
-        """A staged chunk's ``pieces`` (:class:`slimkv.attention.prefill.Piece`: rows, pool
-        keys a multiple of 16, staged slice starting at one, bf16 mask) of ``q [n, Hq, D]``
-        in one call, keys packed once for all: piece ``p`` over ``pool_k, pool_v
-        [:p.num_pool_keys]`` then ``staged_k, staged_v [p.staged]`` (``[L, H, D]``, see
-        :meth:`takes`), bit for bit what :meth:`__call__` gives it over their concatenation."""
-        table = torch.tensor([(p.rows.start, p.rows.stop, p.num_pool_keys, p.staged.start,
-                               p.staged.stop, p.mask.data_ptr(), p.mask.stride(0))
-                              for p in pieces], dtype=torch.int64)  # [pieces, 7]
-        out = torch.empty(q.shape, dtype=q.dtype)
-        self.pieces_fn(*(a for x in (q, pool_k, pool_v, staged_k, staged_v)
-                       for a in (x.data_ptr(), x.stride(0))), table.data_ptr(), len(table),
-                     out.data_ptr(), out.stride(0), q.shape[1], pool_k.shape[1], q.shape[2], scale)
         return out
 
     @staticmethod

@@ -61,8 +61,7 @@ class FreeBlockQueue:
     """Doubly-linked list of free blocks; the head is evicted first."""
 
     def __init__(self, blocks: Iterable[Block] = ()) -> None:
-        self._head = Block(-1)
-        self._tail = Block(-1)
+        self._head, self._tail = Block(-1), Block(-1)  # sentinels
         self._head.next_free, self._tail.prev_free = self._tail, self._head
         self.num_blocks = 0
         for block in blocks:
@@ -125,6 +124,8 @@ class BlockPool:
         self.num_evictions = 0
         self._clock = 0
         self.on_evict: Callable[[Block], None] = lambda block: None  # a KV connector's write-back
+        # Copies pool block src's (quantized) content to dst, all layers: see _demote
+        self.on_demote: Callable[[int, int], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -156,6 +157,9 @@ class BlockPool:
             queue = (self.sink_queue if sink and not i else
                      self.free_queue if len(self.free_queue) else self.protected)
             block = queue.popleft()
+            if queue is self.sink_queue and block.block_hash and self.on_demote \
+                    and len(self.free_queue) >= n:
+                self._demote(block)
             self._evict(block)
             block.ref_cnt = 1
             block.alloc_seq = block.last_used = self.tick()
@@ -214,6 +218,17 @@ class BlockPool:
         """The free queue a block joins at ref count 0 (sink blocks: the sink's, always)."""
         return (self.sink_queue if block.block_id >= self.sink_from else
                 self.protected if block.session_head is not None else self.free_queue)
+
+    def _demote(self, sink: Block) -> None:
+        """A cached sink block handed out again leaves its hash to a regular block holding its
+        quantized copy (the pool's, which no sequence reads while the sink is cached): under
+        a chained hash, losing block 0 would lose every block of the prefix behind it."""
+        block = self.free_queue.popleft()
+        self._evict(block)
+        self.on_demote(sink.block_id, block.block_id)
+        block.block_hash, block.last_used = sink.block_hash, sink.last_used
+        self.cached[sink.block_hash], sink.block_hash = block, None
+        self.free_queue.append(block)
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:

@@ -187,6 +187,11 @@ class PagedKVCache:
                 for stored, new in self._fields(group.pools[side], encoded):
                     stored[:, block_ids] = new
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Pool block ``src``'s content (every layer, data and scales) into block ``dst``."""
+        for t in self.tensors().values():
+            t[:, dst] = t[:, src]
+
     def layer_pool(self, side: str, layer: int) -> QuantizedKV:
         """Views of one layer's tensors of side ``k`` or ``v`` (for native kernels)."""
         group, index = self._where[layer]

@@ -146,9 +146,7 @@ class KVCacheManager:
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
         """Chained hashes of the first ``num_blocks`` full blocks, memoised per sequence."""
         hashes = self._hashes.setdefault(seq.request_id, [])
-        bs = self.block_size
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None,
-                                     seq.token_ids[i * bs:(i + 1) * bs]))
+        while (i := len(hashes)) < num_blocks:
+            tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
         return hashes[:num_blocks]

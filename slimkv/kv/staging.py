@@ -90,7 +90,7 @@ class Staging:
         bs = self.block_size
         held = start % bs
         k_ctx, v_ctx = (torch.cat((self.buffer[side, layer, slot, :held], x.to(self.buffer.dtype)))
-                        for side, x in enumerate((k, v)))
+                        if held else x.to(self.buffer.dtype) for side, x in enumerate((k, v)))
         num_full = len(k_ctx) // bs
         if num_full:
             self.cache.write_blocks(layer, block_ids[:num_full],
