@@ -2,7 +2,7 @@
 
 Workloads (``--workload``, :mod:`slimkv.bench.compare`'s functions, default config):
 ``single`` (1 sequence, 128 tokens after a 16-token prompt), ``batched`` (16 x 512 random
-tokens + 64 new, all at once) or ``decode`` (``--seqs`` sequences at ``--context`` tokens,
+tokens + 64 new, all at once), ``prefill`` (one prompt of ``--context`` tokens) or ``decode`` (``--seqs`` sequences at ``--context`` tokens,
 prefilled first, then ``--steps`` decode steps). Every dtype's engine is built and warmed up
 first; the dtypes then take turns, ``--reps`` times. Three ways to look (``--how``):
 
@@ -52,6 +52,12 @@ PARTS = [("step", "slimkv.engine.llm_engine", "LLMEngine", "step"),
          ("  attention", "slimkv.attention.layer", "PagedAttention", "__call__"),
          ("   write (staging / pool)", "slimkv.attention.backend", "AttentionBackend", "write"),
          ("    KV stage kernel", "slimkv.backends.cpu_stage", "StageKernel", "__call__"),
+         ("    Staging.append (a prefill chunk)", "slimkv.kv.staging", "Staging", "append"),
+         ("     int8 blocks quantized (C)", "slimkv.backends.cpu_kv", "KVBlocks", "quantize"),
+         ("   prefill (CPU backend)", "slimkv.backends.cpu", "CpuBackend", "prefill"),
+         ("    pieces planned", "slimkv.attention.sdpa", "SdpaBackend", "pieces"),
+         ("    int8 prefix read (C)", "slimkv.backends.cpu_kv", "KVBlocks", "read"),
+         ("    one-call pieces (C)", "slimkv.backends.cpu_prefill", "", "one_call"),
          ("   prefill", "slimkv.attention.sdpa", "SdpaBackend", "prefill"),
          ("    read_prefix", "slimkv.kv.cache", "PagedKVCache", "read_prefix"),
          ("    prefill.run (pieces)", "slimkv.attention.prefill", "", "run"),
@@ -121,6 +127,9 @@ def workload(name: str, engine, args) -> int:
     if name == "single":
         decode_rate(engine, 1, 16, 128)
         return 129
+    if name == "prefill":  # one prompt of --context tokens, then its first token
+        prefill_rate(engine, args.context)
+        return -(-args.context // engine.config.scheduler.max_num_batched_tokens)
     if name == "batched":
         batched(engine, 16, 512, 64)
         return 64 + 16 * 512 // engine.config.scheduler.max_num_batched_tokens
@@ -161,7 +170,7 @@ def perf_symbols(data: str, steps: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kv", nargs="+", default=["int8"])
-    ap.add_argument("--workload", choices=["single", "batched", "decode"], default="single")
+    ap.add_argument("--workload", choices=["single", "batched", "decode", "prefill"], default="single")
     ap.add_argument("--how", choices=["parts", "cprofile", "perf"], default="parts")
     ap.add_argument("--seqs", type=int, default=16, help="decode: sequences")
     ap.add_argument("--context", type=int, default=2048, help="decode: tokens each")

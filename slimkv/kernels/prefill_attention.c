@@ -118,6 +118,10 @@ softmax_block(float *s, int limit, const uint16_t *mask, float *m, float *l,
     for (int i = 0; i < KEYS; i += 16) {
         __m512 x = _mm512_load_ps(s + i);
         __mmask16 seen = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+        if (!seen) { /* 16 hidden keys (past a causal row, a piece's other blocks): weights 0 */
+            _mm512_store_ps(s + i, _mm512_setzero_ps());
+            continue;
+        }
         __m512 p = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(x, _mm512_set1_ps(m_new))));
         sum = _mm512_add_ps(sum, p);
         _mm512_store_ps(s + i, p);
