@@ -9,7 +9,7 @@ run: setup
 
 test: setup
 	@./scripts/test-deps.sh
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q --durations=25    # the slowest tests, to keep the suite under 20 min
 
 test-quick: setup
 	.venv/bin/python -m pytest -q -m "not slow"

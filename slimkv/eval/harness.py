@@ -93,6 +93,16 @@ class DtypeRun:
     hits: list[bool] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
 
+    def add_window(self, logprobs: torch.Tensor, targets: torch.Tensor,
+                   reference: torch.Tensor) -> None:
+        """One corpus window's predictions (:meth:`TokenStats.add`), kept apart and summed."""
+        stats = TokenStats()
+        stats.add(logprobs, targets, reference)
+        self.windows.append(stats)
+        total = self.stats
+        total.tokens, total.nll = total.tokens + stats.tokens, total.nll + stats.nll
+        total.kl, total.agree = total.kl + stats.kl, total.agree + stats.agree
+
     def accuracy(self, probes: list[Probe], task: str) -> float | None:
         marks = [hit for probe, hit in zip(probes, self.hits) if probe.task == task]
         return sum(marks) / len(marks) if marks else None
@@ -178,14 +188,9 @@ def _score_window(llms: list[LLM], runs: list[DtypeRun], window: list[int], scor
     reference = next_token_logprobs(llms[0].engine.score(window, last=scored + 1))
     targets = torch.tensor(window[len(window) - scored:])
     for llm, run in zip(llms, runs):
-        logprobs = (reference if run is runs[0]
-                    else next_token_logprobs(llm.engine.score(window, last=scored + 1)))
-        stats = TokenStats()
-        stats.add(logprobs, targets, reference)
-        run.windows.append(stats)
-        total = run.stats
-        total.tokens, total.nll = total.tokens + stats.tokens, total.nll + stats.nll
-        total.kl, total.agree = total.kl + stats.kl, total.agree + stats.agree
+        run.add_window(reference if run is runs[0]
+                       else next_token_logprobs(llm.engine.score(window, last=scored + 1)),
+                       targets, reference)
 
 
 def _answer(llm: LLM, run: DtypeRun, probes: list[Probe], progress: bool) -> None:
