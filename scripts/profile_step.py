@@ -2,8 +2,9 @@
 
 Workloads (``--workload``, :mod:`slimkv.bench.compare`'s functions, default config):
 ``single`` (1 sequence, 128 tokens after a 16-token prompt), ``batched`` (16 x 512 random
-tokens + 64 new, all at once), ``prefill`` (one prompt of ``--context`` tokens) or ``decode`` (``--seqs`` sequences at ``--context`` tokens,
-prefilled first, then ``--steps`` decode steps). Every dtype's engine is built and warmed up
+tokens + 64 new, all at once), ``prefill`` (one prompt of ``--context`` tokens) or
+``decode`` (``--seqs`` sequences at ``--context`` tokens, prefilled first, then ``--steps``
+decode steps). Every dtype's engine is built and warmed up
 first; the dtypes then take turns, ``--reps`` times. Three ways to look (``--how``):
 
 - ``parts``: perf_counter around each part (monkeypatched wrappers, ~1 us each), ms per
@@ -170,7 +171,8 @@ def perf_symbols(data: str, steps: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kv", nargs="+", default=["int8"])
-    ap.add_argument("--workload", choices=["single", "batched", "decode", "prefill"], default="single")
+    ap.add_argument("--workload", choices=["single", "batched", "decode", "prefill"],
+                    default="single")
     ap.add_argument("--how", choices=["parts", "cprofile", "perf"], default="parts")
     ap.add_argument("--seqs", type=int, default=16, help="decode: sequences")
     ap.add_argument("--context", type=int, default=2048, help="decode: tokens each")

@@ -125,7 +125,8 @@ class ServerLoad:
         if self.preemptions_start is None:
             self.preemptions_start = total
         self.preemptions = int(total - self.preemptions_start)
-        self.prefix_end = (m["slimkv:prefix_cache_queries_total"], m["slimkv:prefix_cache_hits_total"])
+        self.prefix_end = (m["slimkv:prefix_cache_queries_total"],
+                           m["slimkv:prefix_cache_hits_total"])
         if self.prefix_start is None:
             self.prefix_start = self.prefix_end
 
