@@ -58,18 +58,18 @@ def _meta(query_lens, seq_lens, tables, slots) -> AttentionMetadata:
 
 
 def _run(cache, staging, step, meta, dtype, backend):
-    """The step on ``backend`` (None: the fused C kernel) from the same pool state, and the
-    reference over the pool that step wrote (``attn.truth``: the same in float64)."""
+    """The step on ``backend`` (None: the fused C kernel) from the same pool state, the
+    reference over the pool that step wrote, the same in float64, and the layer."""
     saved = [t.clone() for t in (*cache.tensors().values(), staging.buffer)]
     attn = PagedAttention(cache, HQ, cache.head_dim ** -0.5, dtype, staging=staging,
                           backend=backend, kernels=KERNELS)
     out = attn(0, *step, meta)
     reference = reference_paged_attention(cache, 0, step[0], meta, cache.head_dim ** -0.5,
                                           dtype, staging)
-    attn.truth = _float64_reference(cache, staging, step[0], meta)
+    truth = _float64_reference(cache, staging, step[0], meta)
     for t, s in zip((*cache.tensors().values(), staging.buffer), saved):
         t.copy_(s)
-    return out, reference, attn
+    return out, reference, truth, attn
 
 
 def _float64_reference(cache, staging, q, meta):
@@ -116,11 +116,11 @@ def test_each_decode_path_reads_the_sink_as_the_reference(backend, head_dim, mon
         monkeypatch.setattr(kernels._KERNEL, "_loaded",
                             kernels.DecodeKernel(build.load(kernels.SOURCE), "paged_decode_portable"))
     cache, staging, step, meta = _step(LENS, head_dim)
-    out, reference, attn = _run(cache, staging, step, meta, torch.float32,
-                                None if backend == "portable" else backend)
+    out, reference, truth, attn = _run(cache, staging, step, meta, torch.float32,
+                                       None if backend == "portable" else backend)
     path = {"sdpa": "fast_decode", "triton": "triton_decode"}.get(backend, "fused_decode")
     assert attn.path_counts == {path: 1}
-    _assert_as_close_as_float32(out, reference, attn.truth)
+    _assert_as_close_as_float32(out, reference, truth)
 
 
 @pytest.mark.usefixtures("fused_kernel")
@@ -167,8 +167,8 @@ def test_a_sink_read_from_the_wrong_row_or_the_pool_fails():
     """Mutation sanity: the kernel reading the next sink row, or block 0's quantized copy,
     no longer matches the reference; the reference itself depends on the sink."""
     cache, staging, step, meta = _step(LENS)
-    good, reference, run = _run(cache, staging, step, meta, torch.float32, None)
-    _assert_as_close_as_float32(good, reference, run.truth)
+    good, reference, truth, _ = _run(cache, staging, step, meta, torch.float32, None)
+    _assert_as_close_as_float32(good, reference, truth)
     attn = PagedAttention(cache, HQ, 0.125, torch.float32, staging=staging, kernels=KERNELS)
     saved = [t.clone() for t in (*cache.tensors().values(), staging.buffer)]
     for shift in (1, None):  # the next row; None: no sink (block 0 from the pool)
