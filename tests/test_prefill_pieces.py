@@ -70,7 +70,8 @@ def test_one_call_equals_the_pieces_one_by_one(kernel, seq_len, query_len, heads
     q, k, v, staged, pieces = _chunk(seq_len, query_len, heads, head_dim, seq_len + query_len)
     scale = head_dim ** -0.5
     want = prefill.run(pieces, q, k, v, staged, scale)  # each piece in the kernel
-    got = cpu_prefill.pieces(kernel, q, k, v, staged.k, staged.v, pieces, scale)
+    got = cpu_prefill.pieces(kernel, q, k, v, staged.k, staged.v, pieces, seq_len - query_len,
+                             BS, scale)
     assert torch.equal(got, want)
 
 
@@ -84,12 +85,13 @@ def test_strided_queries_and_unread_pool_keys(kernel) -> None:
     pool = max(p.num_pool_keys for p in pieces)
     k[pool:], v[pool:] = float("nan"), float("nan")
     assert torch.equal(cpu_prefill.pieces(kernel, wide[:, :9], k, v, staged.k, staged.v, pieces,
-                                            0.125), want)
+                                          300, BS, 0.125), want)
 
 
 def test_a_wrong_table_fails_the_comparison(kernel) -> None:
     """The comparison can fail: a piece reading its staged keys one tile late, or one tile
-    of pool keys short (its mask then read a tile short), differs from the per-piece run."""
+    of pool keys short, differs from the per-piece run; so do queries placed one position
+    late (each then sees one staged key more) and a block size of 32 for 16."""
     q, k, v, staged, pieces = _chunk(512, 512, (9, 3), 64, 1)
     want = prefill.run(pieces, q, k, v, staged, 0.125)
     p = pieces[1]
@@ -98,10 +100,16 @@ def test_a_wrong_table_fails_the_comparison(kernel) -> None:
     short = prefill.Piece(p.rows, p.num_pool_keys - BS, p.staged, p.mask)
     for wrong in (late, short):
         got = cpu_prefill.pieces(kernel, q, k, v, staged.k, staged.v,
-                                 (pieces[0], wrong, *pieces[2:]), 0.125)
+                                 (pieces[0], wrong, *pieces[2:]), 0, BS, 0.125)
         assert not torch.equal(got, want)
         assert torch.equal(got[:p.rows.start], want[:p.rows.start])  # only that piece moved
         assert torch.equal(got[p.rows.stop:], want[p.rows.stop:])
+    assert torch.equal(cpu_prefill.pieces(kernel, q, k, v, staged.k, staged.v, pieces, 0, BS,
+                                          0.125), want)
+    for start, block_size in ((1, BS), (0, 2 * BS)):
+        got = cpu_prefill.pieces(kernel, q, k, v, staged.k, staged.v, pieces, start,
+                                 block_size, 0.125)
+        assert not torch.equal(got, want)
 
 
 def test_the_backend_goes_piece_by_piece_where_the_kernel_does_not_take_the_chunk(kernel):
@@ -109,11 +117,12 @@ def test_the_backend_goes_piece_by_piece_where_the_kernel_does_not_take_the_chun
     from slimkv.backends import cpu_prefill
 
     q, k, v, staged, pieces = _chunk(512, 512, (9, 3), 64, 2)
-    assert cpu_prefill.one_call(q, k, v, staged, pieces, 0.125) is not None
+    assert cpu_prefill.one_call(q, k, v, staged, pieces, 0, BS, 0.125) is not None
     small = tuple(prefill.plan(100, 50, 48, 4, torch.bfloat16, CPU, piece=8))
-    assert cpu_prefill.one_call(q[:50], k, v, staged, small, 0.125) is None
-    assert cpu_prefill.one_call(q.float(), k.float(), v.float(), staged, pieces, 0.125) is None
-    assert cpu_prefill.one_call(q, k, v, None, pieces, 0.125) is None
+    assert cpu_prefill.one_call(q[:50], k, v, staged, small, 50, 4, 0.125) is None
+    assert cpu_prefill.one_call(q.float(), k.float(), v.float(), staged, pieces, 0, BS,
+                                0.125) is None
+    assert cpu_prefill.one_call(q, k, v, None, pieces, 0, BS, 0.125) is None
 
 
 # -- the engine ---------------------------------------------------------------------------

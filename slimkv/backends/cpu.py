@@ -110,7 +110,8 @@ class CpuBackend(SdpaBackend):
         if not int8:  # SdpaBackend.prefill's keys and pieces
             k, v = (x[0] for x in (self.staging or self.cache).read_prefix(
                 layer, meta.block_tables[chunk.seq:chunk.seq + 1], chunk.seq_len, self.dtype))
-            out = cpu_prefill.one_call(q, k, v, staged, pieces, self.scale)
+            out = cpu_prefill.one_call(q, k, v, staged, pieces, chunk.start,
+                                       self.cache.block_size, self.scale)
             return prefill.run(pieces, q, k, v, staged, self.scale) if out is None else out
         rows = max(p.num_pool_keys + (p.staged.stop - p.staged.start if p.staged else 0)
                    for p in pieces)
@@ -122,7 +123,8 @@ class CpuBackend(SdpaBackend):
                 ids[0] >= self.staging.sink_from:  # block 0 at float (a sink id)
             bs, row = self.cache.block_size, ids[0] + self.staging.sink_shift
             k[:bs], v[:bs] = self.staging.buffer[:, layer, row].to(self.dtype)
-        out = cpu_prefill.one_call(q, k, v, staged, pieces, self.scale) if one_call else None
+        out = cpu_prefill.one_call(q, k, v, staged, pieces, chunk.start,
+                                       self.cache.block_size, self.scale) if one_call else None
         if out is not None:
             return out
         out = torch.empty_like(q)

@@ -37,14 +37,17 @@ def _pieces_fn(kernel: PrefillKernel):
 
 
 def pieces(kernel: PrefillKernel, q: Tensor, pool_k: Tensor, pool_v: Tensor, staged_k: Tensor,
-           staged_v: Tensor, chunk_pieces, scale: float) -> Tensor:
+           staged_v: Tensor, chunk_pieces, start: int, block_size: int,
+           scale: float) -> Tensor:
     """A staged chunk's pieces (:class:`slimkv.attention.prefill.Piece`: rows, pool keys a
-    multiple of 16, staged slice starting at one, bf16 mask) of ``q [n, Hq, D]`` in one call,
-    keys packed once for all: piece ``p`` over ``pool_k, pool_v [:p.num_pool_keys]`` then
-    ``staged_k, staged_v [p.staged]`` (``[L, H, D]``, see :meth:`PrefillKernel.takes`), bit
-    for bit what ``kernel`` gives it over their concatenation."""
+    multiple of 16, staged slice starting at one) of ``q [n, Hq, D]``, the chunk's positions
+    from ``start`` on, in one call, keys packed once for all: piece ``p`` over ``pool_k,
+    pool_v [:p.num_pool_keys]`` then ``staged_k, staged_v [p.staged]`` (``[L, H, D]``, see
+    :meth:`PrefillKernel.takes`), bit for bit what ``kernel`` gives it over their
+    concatenation under its mask. The kernel reads no mask: what a query sees follows from
+    its position and ``block_size`` (:func:`slimkv.kv.staging.staged_mask`'s rule)."""
     table = torch.tensor([(p.rows.start, p.rows.stop, p.num_pool_keys, p.staged.start,
-                           p.staged.stop, p.mask.data_ptr(), p.mask.stride(0))
+                           p.staged.stop, start + p.rows.start, block_size)
                           for p in chunk_pieces], dtype=torch.int64)  # [pieces, 7]
     out = torch.empty(q.shape, dtype=q.dtype)
     _pieces_fn(kernel)(*(a for x in (q, pool_k, pool_v, staged_k, staged_v)
@@ -55,20 +58,22 @@ def pieces(kernel: PrefillKernel, q: Tensor, pool_k: Tensor, pool_v: Tensor, sta
 
 
 def one_call(q: Tensor, k: Tensor, v: Tensor, staged: StagedKV | None,
-             chunk_pieces: tuple[prefill.Piece, ...], scale: float) -> Tensor | None:
-    """The chunk's ``q [n, Hq, D]`` over its pool keys ``k, v [L, H, D]`` and ``staged``
-    in ``chunk_pieces`` (:func:`slimkv.attention.prefill.run`'s result bit for bit) -> ``[n, Hq,
-    D]``, or None where the kernel does not take them (the caller goes piece by piece)."""
+             chunk_pieces: tuple[prefill.Piece, ...], start: int, block_size: int,
+             scale: float) -> Tensor | None:
+    """The chunk's ``q [n, Hq, D]`` (positions from ``start`` on) over its pool keys ``k, v
+    [L, H, D]`` and ``staged`` in ``chunk_pieces`` (:func:`slimkv.attention.prefill.run`'s
+    result bit for bit) -> ``[n, Hq, D]``, or None where the kernel does not take them (the
+    caller goes piece by piece)."""
     if staged is None or type(q) is not torch.Tensor or q.dtype != torch.bfloat16:
         return None
     kernel = prefill.prefill_kernel()  # looked up there: tests and benches swap it
     if kernel is None or _pieces_fn(kernel) is None:
         return None
     staged_k, staged_v = staged.k.to(k.dtype), staged.v.to(v.dtype)  # as prefill.run
-    fits = all(p.staged is not None and p.mask is not None and p.num_pool_keys % 16 == 0
-               and p.staged.start % 16 == 0 and p.num_pool_keys <= len(k)
-               and p.staged.stop <= len(staged_k) and kernel.takes(q, staged_k, staged_v, p.mask)
-               for p in chunk_pieces)
-    if not (fits and kernel.takes(q, k, v, None)):
+    fits = all(p.staged is not None and p.num_pool_keys % 16 == 0 and p.staged.start % 16 == 0
+               and p.num_pool_keys <= len(k) and p.staged.stop <= len(staged_k)
+               and staged.start + p.staged.start == (start + p.rows.start) // block_size
+               * block_size for p in chunk_pieces)
+    if not (fits and kernel.takes(q, k, v, None) and kernel.takes(q, staged_k, staged_v, None)):
         return None
-    return pieces(kernel, q, k, v, staged_k, staged_v, chunk_pieces, scale)
+    return pieces(kernel, q, k, v, staged_k, staged_v, chunk_pieces, start, block_size, scale)

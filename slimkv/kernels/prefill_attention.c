@@ -13,7 +13,8 @@
  *
  * prefill_attention_pieces: all the pieces of a staged chunk (each over the pool keys before
  * its last block, then its staged keys) in one call, keys packed and values widened once for
- * all of them, bit for bit what prefill_attention gives each piece over its concatenation.
+ * all of them, what each query sees taken from positions, bit for bit what prefill_attention
+ * gives each piece over its concatenation under its mask.
  */
 #include <math.h>
 #include <omp.h>
@@ -92,15 +93,29 @@ tile_scores(const uint32_t (*qp)[MAX_D / 2], const uint32_t *kt, const int D, fl
         _mm512_store_ps(s[r] + col, _mm512_mul_ps(a[r], _mm512_set1_ps(scale)));
 }
 
-/* The online softmax of a row over one block of keys (scores in s, visible below `limit`,
- * plus the additive bf16 mask row when given): s becomes the weights, acc is rescaled. */
+/* Lanes lo .. hi of 16 (clamped to 0 .. 16). */
+static inline __mmask16 lanes(int lo, int hi) {
+    lo = lo < 0 ? 0 : lo > 16 ? 16 : lo;
+    hi = hi < 0 ? 0 : hi > 16 ? 16 : hi;
+    return hi > lo ? (__mmask16)((1u << hi) - (1u << lo)) : 0;
+}
+
+/* Which keys of a block one row sees: 0 .. a and b .. c (block-relative), and where its
+ * additive bf16 mask row (when given) is not -inf. */
+typedef struct {
+    int a, b, c;
+} Seen;
+
+/* The online softmax of a row over the 16-key tiles of one block of keys that some row of
+ * its task sees (bits of `tiles`; the others' scores are neither read nor written), visible
+ * to this row as `seen` says: s becomes the weights, acc is rescaled. */
 static inline __attribute__((always_inline)) void
-softmax_block(float *s, int limit, const uint16_t *mask, float *m, float *l,
+softmax_block(float *s, unsigned tiles, Seen seen, const uint16_t *mask, float *m, float *l,
               float *acc, const int D) {
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int i = 0; i < KEYS; i += 16) {
-        int left = limit - i;
-        __mmask16 keep = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+        if (!(tiles >> (i / 16) & 1)) continue;
+        __mmask16 keep = lanes(-i, seen.a - i) | lanes(seen.b - i, seen.c - i);
         __m512 x = _mm512_load_ps(s + i);
         if (mask)
             x = _mm512_add_ps(x, widen16(_mm256_maskz_loadu_epi16(keep, mask + i)));
@@ -116,9 +131,10 @@ softmax_block(float *s, int limit, const uint16_t *mask, float *m, float *l,
     float alpha = *m == -INFINITY ? 0.0f : expf(*m - m_new);
     __m512 sum = _mm512_setzero_ps();
     for (int i = 0; i < KEYS; i += 16) {
+        if (!(tiles >> (i / 16) & 1)) continue;
         __m512 x = _mm512_load_ps(s + i);
         __mmask16 seen = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-        if (!seen) { /* 16 hidden keys (past a causal row, a piece's other blocks): weights 0 */
+        if (!seen) { /* 16 keys hidden from this row (past a causal row): weights 0 */
             _mm512_store_ps(s + i, _mm512_setzero_ps());
             continue;
         }
@@ -133,10 +149,11 @@ softmax_block(float *s, int limit, const uint16_t *mask, float *m, float *l,
             _mm512_store_ps(acc + d, _mm512_mul_ps(_mm512_load_ps(acc + d), _mm512_set1_ps(alpha)));
 }
 
-/* acc[r] += sum over the keys lo .. hi of block kb of s[r][key] * v[kb + key], RG rows at a
- * time (their D / 16 accumulators and one value row in registers). */
+/* acc[r] += sum over the keys of block kb in `tiles` (nk keys in all) of s[r][key] *
+ * v[kb + key], RG rows at a time (their D / 16 accumulators and one value row in registers).
+ * The tiles no row sees would add weights 0: skipping them leaves every sum's bits. */
 static inline __attribute__((always_inline)) void
-values_block(float (*s)[KEYS], const Keys *keys, int kb, int lo, int hi, const int D,
+values_block(float (*s)[KEYS], const Keys *keys, int kb, unsigned tiles, int nk, const int D,
              float (*acc)[MAX_D]) {
     enum { RG_MAX = 8 };
     const int RG = 256 / D < RG_MAX ? 256 / D : RG_MAX;
@@ -144,7 +161,8 @@ values_block(float (*s)[KEYS], const Keys *keys, int kb, int lo, int hi, const i
         __m512 o[RG_MAX][MAX_D / 16];
         for (int g = 0; g < RG; g++)
             for (int d = 0; d < D / 16; d++) o[g][d] = _mm512_load_ps(acc[r0 + g] + 16 * d);
-        for (int key = lo; key < hi; key++) {
+        for (int key = 0; key < nk; key++) {
+            if (!(tiles >> (key / 16) & 1)) { key += 15; continue; }
             int j = kb + key, second = j >= 16 * keys->split;
             const float *vr = keys->vf[second] + (size_t)(j - 16 * keys->split * second) * D;
             for (int d = 0; d < D / 16; d++) {
@@ -160,8 +178,8 @@ values_block(float (*s)[KEYS], const Keys *keys, int kb, int lo, int hi, const i
 
 /* Bit c: some row r0 .. r0 + nr sees one of the keys kb + 16c .. kb + 16c + 16 (nk keys in
  * all) under the additive bf16 mask, i.e. has an entry other than -inf (0xff80) there.
- * Pieces' masks hide whole tiles (the pool past a row's block, the staged keys before it):
- * those are skipped. */
+ * Masks that hide whole tiles (a piece's pool past its rows' blocks, walked piece by piece
+ * through prefill_attention) have them skipped. */
 static inline __attribute__((always_inline)) unsigned
 visible_tiles(const uint16_t *mask, int64_t ms, int r0, int nr, int kb, int nk) {
     unsigned tiles = 0;
@@ -179,11 +197,41 @@ visible_tiles(const uint16_t *mask, int64_t ms, int r0, int nr, int kb, int nk) 
     return tiles;
 }
 
-/* Rows r0 .. r0 + nr of query head hq (kv head h = hq / G) into out. */
+/* A staged piece's rule, from positions: the query at position p (row r: p = first + r) sees
+ * the pool keys before its block (0 .. p - p % bs) and its block's staged keys up to itself;
+ * the staged keys, from position first - first % bs on, follow num_pool pool keys. */
+typedef struct {
+    int first, bs, num_pool;
+} Staged;
+
+/* What row r sees of the block at kb (nk keys): causal (query i sees keys 0 .. i + off),
+ * the piece's `staged` rule, or every key (under a mask). */
+static inline Seen row_seen(const Staged *staged, int masked, int r, int off, int kb, int nk) {
+    if (staged) {
+        int p = staged->first + r, own = staged->first - staged->first % staged->bs;
+        int block = p - p % staged->bs, at = staged->num_pool - own - kb;
+        return (Seen){block - kb, at + block, at + p + 1};
+    }
+    int a = masked ? nk : r + off + 1 - kb;
+    return (Seen){a < nk ? a : nk, 0, 0};
+}
+
+/* Bit c: a key kb + 16c .. kb + 16c + 16 is in 0 .. a or b .. c. */
+static inline unsigned seen_tiles(Seen seen, int kb, int nk) {
+    unsigned tiles = 0;
+    for (int c = 0; 16 * c < nk; c++) {
+        int lo = kb + 16 * c, hi = lo + 16;
+        tiles |= (unsigned)(lo < seen.a || (lo < seen.c && hi > seen.b && seen.c > seen.b)) << c;
+    }
+    return tiles;
+}
+
+/* Rows r0 .. r0 + nr of query head hq (kv head h = hq / G) into out: causal, under the
+ * additive mask, or (staged given) under a staged piece's rule. */
 static inline __attribute__((always_inline)) void
-attend_rows(const uint16_t *q, int64_t qs, const uint16_t *mask, int64_t ms, uint16_t *out,
-            int64_t os, const Keys *keys, int hq, int r0, int nr, int L, int off, float scale,
-            const int D) {
+attend_rows(const uint16_t *q, int64_t qs, const uint16_t *mask, int64_t ms,
+            const Staged *staged, uint16_t *out, int64_t os, const Keys *keys, int hq, int r0,
+            int nr, int L, int off, float scale, const int D) {
     uint32_t qp[ROWS][MAX_D / 2] __attribute__((aligned(64)));
     float s[ROWS][KEYS] __attribute__((aligned(64)));
     float acc[ROWS][MAX_D] __attribute__((aligned(64)));
@@ -194,11 +242,17 @@ attend_rows(const uint16_t *q, int64_t qs, const uint16_t *mask, int64_t ms, uin
         memset(acc[r], 0, sizeof(float) * D);
         m[r] = -INFINITY, l[r] = 0.0f;
     }
-    int kmax = mask ? L : r0 + nr + off; /* causal: the last row's keys */
+    /* what the rows see together (staged rule): the pool keys the last row sees, the
+     * staged keys from the first row's block to the last row */
+    Seen top = row_seen(staged, 0, r0, off, 0, L);
+    Seen end = row_seen(staged, 0, r0 + nr - 1, off, 0, L);
+    Seen all = {end.a, top.b, end.c};
+    int kmax = mask ? L : staged ? all.c : r0 + nr + off; /* causal: the last row's keys */
     kmax = kmax < L ? kmax : L;
     for (int kb = 0; kb < kmax; kb += KEYS) {
         int nk = kmax - kb < KEYS ? kmax - kb : KEYS;
-        unsigned tiles = mask ? visible_tiles(mask, ms, r0, nr, kb, nk) : (1u << KEYS / 16) - 1;
+        unsigned tiles = mask ? visible_tiles(mask, ms, r0, nr, kb, nk)
+                         : staged ? seen_tiles(all, kb, nk) : (1u << KEYS / 16) - 1;
         if (!tiles) continue; /* nothing visible: m, l and acc stay */
         for (int c = 0; c < nk; c += 16) {
             int t = (kb + c) / 16, second = t >= keys->split;
@@ -206,17 +260,14 @@ attend_rows(const uint16_t *q, int64_t qs, const uint16_t *mask, int64_t ms, uin
                 tile_scores((const uint32_t (*)[MAX_D / 2])qp,
                             keys->kp[second] + (size_t)(t - keys->split * second) * (D / 2) * 16,
                             D, scale, s, c);
-            else
-                for (int r = 0; r < ROWS; r++) _mm512_store_ps(s[r] + c, _mm512_set1_ps(-INFINITY));
         }
         for (int r = 0; r < ROWS; r++) {
-            int limit = r >= nr ? 0 : mask ? nk : r0 + r + off + 1 - kb;
-            limit = limit < nk ? limit : nk;
-            softmax_block(s[r], limit, mask ? mask + (size_t)(r0 + r) * ms + kb : NULL,
+            Seen seen = r >= nr ? (Seen){0, 0, 0}
+                                : row_seen(staged, mask != NULL, r0 + r, off, kb, nk);
+            softmax_block(s[r], tiles, seen, mask ? mask + (size_t)(r0 + r) * ms + kb : NULL,
                           m + r, l + r, acc[r], D);
         }
-        int hi = 16 * (32 - __builtin_clz(tiles));
-        values_block(s, keys, kb, 16 * __builtin_ctz(tiles), hi < nk ? hi : nk, D, acc);
+        values_block(s, keys, kb, tiles, nk, D, acc);
     }
     for (int r = 0; r < nr; r++) {
         uint16_t *dst = out + (size_t)(r0 + r) * os + (size_t)hq * D;
@@ -246,11 +297,11 @@ void prefill_attention(const uint16_t *q, int64_t qs, const uint16_t *k, int64_t
         const float *vh = vf + (size_t)(hq / G) * L * D;
         Keys keys = {{kh, kh}, {vh, vh}, tiles};
         if (D == 64)
-            attend_rows(q, qs, mask, ms, out, os, &keys, hq, r0, nr, L, L - n, scale, 64);
+            attend_rows(q, qs, mask, ms, NULL, out, os, &keys, hq, r0, nr, L, L - n, scale, 64);
         else if (D == 128)
-            attend_rows(q, qs, mask, ms, out, os, &keys, hq, r0, nr, L, L - n, scale, 128);
+            attend_rows(q, qs, mask, ms, NULL, out, os, &keys, hq, r0, nr, L, L - n, scale, 128);
         else
-            attend_rows(q, qs, mask, ms, out, os, &keys, hq, r0, nr, L, L - n, scale, D);
+            attend_rows(q, qs, mask, ms, NULL, out, os, &keys, hq, r0, nr, L, L - n, scale, D);
     }
     free(kp);
     free(vf);
@@ -259,13 +310,14 @@ void prefill_attention(const uint16_t *q, int64_t qs, const uint16_t *k, int64_t
 /* A chunk's pieces in one call: q [n, Hq, D] (qs), out [n, Hq, D] (os); pool keys, values
  * pk, pv [P, H, D] (pks, pvs), staged ones sk, sv [S, H, D] (sks, svs), all bf16 with each
  * token's heads contiguous, P and S the most any piece reads. pieces [num_pieces][7]: rows
- * row0 .. row1 of the chunk attend pool keys 0 .. num_pool then staged keys staged0 ..
- * staged1 under their additive bf16 mask [row1 - row0, num_pool + staged1 - staged0]
- * (address, row stride), in the order row0, row1, num_pool, staged0, staged1, mask address,
- * mask row stride. num_pool and staged0 are multiples of 16, so each 16-key tile of a
- * piece's keys is one pool tile or one staged tile: attend_rows walks them as
- * prefill_attention walks the concatenation (keys past it are masked before the softmax, so
- * the staged tiles' tails need not be zero). */
+ * row0 .. row1 of the chunk, at positions first .. first + row1 - row0, attend pool keys
+ * 0 .. num_pool then staged keys staged0 .. staged1 (from position first - first % bs on)
+ * under the staged rule (Staged), in the order row0, row1, num_pool, staged0, staged1,
+ * first, bs. num_pool and staged0 are multiples of 16, so each 16-key tile of a piece's keys
+ * is one pool tile or one staged tile: attend_rows walks them as prefill_attention walks
+ * the concatenation under the rule's additive mask (slimkv.kv.staging.staged_mask), the
+ * same blocks of 64 keys in the same order, so the same bits, without reading a mask (keys
+ * past it are hidden before the softmax, so the staged tiles' tails need not be zero). */
 void prefill_attention_pieces(const uint16_t *q, int64_t qs, const uint16_t *pk, int64_t pks,
                               const uint16_t *pv, int64_t pvs, const uint16_t *sk,
                               int64_t sks, const uint16_t *sv, int64_t svs,
@@ -312,14 +364,18 @@ void prefill_attention_pieces(const uint16_t *q, int64_t qs, const uint16_t *pk,
             Keys keys = {{kp + (size_t)h * pt * 16 * (D / 2),
                           kps + ((size_t)h * st + s0 / 16) * 16 * (D / 2)},
                          {vf + (size_t)h * P * D, vfs + ((size_t)h * S + s0) * D}, num_pool / 16};
-            const uint16_t *qp = q + p[0] * qs, *mask = (const uint16_t *)(intptr_t)p[5];
+            Staged staged = {(int)p[5], (int)p[6], num_pool};
+            const uint16_t *qp = q + p[0] * qs;
             uint16_t *op = out + p[0] * os;
             if (D == 64)
-                attend_rows(qp, qs, mask, p[6], op, os, &keys, hq, r0, nr, L, L - n, scale, 64);
+                attend_rows(qp, qs, NULL, 0, &staged, op, os, &keys, hq, r0, nr, L, L - n, scale,
+                            64);
             else if (D == 128)
-                attend_rows(qp, qs, mask, p[6], op, os, &keys, hq, r0, nr, L, L - n, scale, 128);
+                attend_rows(qp, qs, NULL, 0, &staged, op, os, &keys, hq, r0, nr, L, L - n, scale,
+                            128);
             else
-                attend_rows(qp, qs, mask, p[6], op, os, &keys, hq, r0, nr, L, L - n, scale, D);
+                attend_rows(qp, qs, NULL, 0, &staged, op, os, &keys, hq, r0, nr, L, L - n, scale,
+                            D);
         }
     }
     free(tasks);
