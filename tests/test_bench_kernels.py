@@ -54,7 +54,7 @@ def test_kernels_every_part(tmp_path: Path, fused_kernel: None) -> None:
     assert set(gemm["rows24"]) == {"dequant_gemm", "resident_gemm"}  # over --kernel-rows
     for row in (*gemm["rows1"].values(), *gemm["rows24"].values()):
         timed(row)
-    for case in ("causal", "staged"):
+    for case in ("causal", "staged", "staged_one_call"):
         timed(result["prefill"][case]["sdpa"])
         if "kernel" in result["prefill"][case]:
             timed(result["prefill"][case]["kernel"])
@@ -100,7 +100,7 @@ def test_ab_decode_build_against_a_copy_of_itself(tmp_path: Path, fused_kernel: 
 def test_ab_prefill_build_against_sdpa(tmp_path: Path) -> None:
     result = run(tmp_path, "ab", "--builds", str(KERNELS), "sdpa", "--kernel", "prefill",
                  "--prefill-tokens", "48", "--reps", "2")
-    assert set(result["results"]) == {"causal", "staged"}
+    assert set(result["results"]) == {"causal", "staged", "staged_one_call"}
     for row in result["results"].values():
         timed(row["A"]), timed(row["B"])
         assert 0 < row["max_abs_diff"] < 0.05  # kernel vs SDPA: bf16 rounding only

@@ -5,8 +5,8 @@ block, then its own staged keys (:mod:`slimkv.attention.prefill`). Piece by piec
 call packs the pool keys and widens the values again in an OpenMP region of its own, after
 its staged keys are copied in behind them: ~15 ms of a 512-token chunk over 30 layers that a
 bf16 cache's one causal call does not pay. :func:`pieces` (the kernel library's
-``prefill_attention_pieces``) packs them once for all the pieces and gives each the very
-bits of its own call. It takes a bf16 chunk
+``prefill_attention_staged``) packs them once for all the pieces and gives each the very
+bits of its own call, without reading their masks. It takes a bf16 chunk
 whose pieces' pool keys and staged slices start on 16-key tiles (a block size of 16 or
 more); anything else (a float32 model, the start-up replay's fake tensors, smaller blocks)
 stays piece by piece.
@@ -28,9 +28,9 @@ from slimkv.kv.staging import StagedKV
 
 @functools.cache
 def _pieces_fn(kernel: PrefillKernel):
-    """``kernel``'s library's ``prefill_attention_pieces`` (None: an older build in an A/B,
-    a test's stand-in)."""
-    fn = getattr(getattr(kernel, "lib", None), "prefill_attention_pieces", None)
+    """``kernel``'s library's ``prefill_attention_staged`` (None: an older build in an A/B,
+    whose ``prefill_attention_pieces`` read a mask per piece; a test's stand-in)."""
+    fn = getattr(getattr(kernel, "lib", None), "prefill_attention_staged", None)
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     return fn and build.signature(fn, [ptr, i64] * 5 + [ptr, i32, ptr, i64, i32, i32, i32,
                                                         ctypes.c_float])

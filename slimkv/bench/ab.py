@@ -9,7 +9,8 @@ e.g. ``mkdir /tmp/old && git archive REV slimkv/kernels | tar -x --strip-compone
   (every layer) of ``--batch`` sequences x ``--context`` tokens (:func:`~slimkv.bench.kernels
   .decode_setup`), with the largest output difference of B from A;
 - ``--kernel prefill``: ``prefill_attention.c`` (``sdpa``: torch's) on one layer's
-  attention of a chunk, causal and staged (:func:`~slimkv.bench.kernels.prefill_cases`);
+  attention of a chunk, causal, staged piece by piece and staged in one call
+  (:func:`~slimkv.bench.kernels.prefill_cases`);
 - ``--kernel engine``: each build's ``paged_decode`` swapped into the engine's one-call
   decode step, blocks of ``--steps`` engine steps per KV dtype.
 
@@ -108,7 +109,13 @@ def ab_builds(specs: list[str], kernel: str, kvs: list[str], batch: int, context
                 if lib is not None and not lib.prefill_attention_native():
                     raise ValueError(f"{dict(zip('AB', specs))[n]}: no AVX512-BF16 here")
             kernels = {n: None if lib is None else PrefillKernel(lib) for n, lib in libs.items()}
+            old = [dict(zip("AB", specs))[n] for n, lib in libs.items()
+                   if lib is not None and not hasattr(lib, "prefill_attention_staged")]
             for case, run in prefill_cases(tokens, dtype).items():
+                if case == "staged_one_call" and old:  # it would go piece by piece there
+                    results[case] = {"skipped": f"{old[0]}: no prefill_attention_staged (an "
+                                                "older build: its one call read masks)"}
+                    continue
                 results[case] = compared({n: lambda k=k: run(k) for n, k in kernels.items()},
                                          reps, diff=True)
         else:

@@ -42,6 +42,7 @@ from torch import Tensor
 from slimkv.attention import prefill
 from slimkv.bench.soak_server import rss_bytes
 from slimkv.bench.timing import environment, interleaved, ms_of, summary
+from slimkv.backends import cpu_prefill
 from slimkv.backends.cpu_decode import decode_kernel, describe
 from slimkv.kernels.prefill_attn import prefill_kernel
 from slimkv.kernels.qgemm import PLAIN, PRECISE, pack, qgemm_kernel
@@ -168,17 +169,25 @@ def prefill_kernel_as(kernel: Any) -> Iterator[None]:
 def prefill_cases(tokens: int, dtype: torch.dtype) -> dict[str, Callable[[Any], Tensor]]:
     """``case -> run(kernel)``: one layer's attention of a ``tokens`` chunk through
     :func:`slimkv.attention.prefill.run` with ``kernel`` (None: SDPA). ``causal``: the
-    chunk that starts an unstaged sequence; ``staged``: the same chunk of a staged cache."""
+    chunk that starts an unstaged sequence; ``staged``: the same chunk of a staged cache
+    piece by piece; ``staged_one_call``: the same in the engine's one kernel call for all
+    pieces (:func:`slimkv.backends.cpu_prefill.one_call`; SDPA's pieces where it does not
+    take them, e.g. ``kernel`` None; older builds' one call read masks:
+    :func:`slimkv.bench.ab.ab_builds` skips this case for them)."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(tokens, h, DIM, generator=gen).to(dtype)
                for h in (HEADS, KV_HEADS, KV_HEADS))
-    cases = {"causal": (prefill.plan(tokens, tokens, None, BS, dtype, CPU), None),
-             "staged": (prefill.plan(tokens, tokens, 0, BS, dtype, CPU), StagedKV(0, k, v))}
+    staged = StagedKV(0, k, v)
+    cases = {"causal": (prefill.plan(tokens, tokens, None, BS, dtype, CPU), None, False),
+             "staged": (prefill.plan(tokens, tokens, 0, BS, dtype, CPU), staged, False),
+             "staged_one_call": (prefill.plan(tokens, tokens, 0, BS, dtype, CPU), staged, True)}
 
-    def runner(pieces, staged) -> Callable[[Any], Tensor]:
+    def runner(pieces, staged, one_call) -> Callable[[Any], Tensor]:
         def run(kernel) -> Tensor:
             with prefill_kernel_as(kernel):
-                return prefill.run(pieces, q, k, v, staged, DIM ** -0.5)
+                out = cpu_prefill.one_call(q, k, v, staged, tuple(pieces), 0, BS,
+                                           DIM ** -0.5) if one_call else None
+                return prefill.run(pieces, q, k, v, staged, DIM ** -0.5) if out is None else out
         return run
     return {case: runner(*c) for case, c in cases.items()}
 

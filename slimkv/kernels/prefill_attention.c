@@ -11,7 +11,7 @@
  * without AVX512-BF16 nothing is compiled in (prefill_attention_native() == 0) and callers
  * keep torch's SDPA.
  *
- * prefill_attention_pieces: all the pieces of a staged chunk (each over the pool keys before
+ * prefill_attention_staged: all the pieces of a staged chunk (each over the pool keys before
  * its last block, then its staged keys) in one call, keys packed and values widened once for
  * all of them, what each query sees taken from positions, bit for bit what prefill_attention
  * gives each piece over its concatenation under its mask.
@@ -318,7 +318,7 @@ void prefill_attention(const uint16_t *q, int64_t qs, const uint16_t *k, int64_t
  * the concatenation under the rule's additive mask (slimkv.kv.staging.staged_mask), the
  * same blocks of 64 keys in the same order, so the same bits, without reading a mask (keys
  * past it are hidden before the softmax, so the staged tiles' tails need not be zero). */
-void prefill_attention_pieces(const uint16_t *q, int64_t qs, const uint16_t *pk, int64_t pks,
+void prefill_attention_staged(const uint16_t *q, int64_t qs, const uint16_t *pk, int64_t pks,
                               const uint16_t *pv, int64_t pvs, const uint16_t *sk,
                               int64_t sks, const uint16_t *sv, int64_t svs,
                               const int64_t (*pieces)[7], int num_pieces, uint16_t *out,

@@ -22,7 +22,7 @@ class PrefillKernel:
         self._fn = build.signature(lib.prefill_attention, [ptr, i64, ptr, i64, ptr, i64, ptr,
                                                             i64, ptr, i64, i32, i32, i32, i32,
                                                             i32, ctypes.c_float])
-        self.lib = lib  # its other entry, prefill_attention_pieces: slimkv.backends.cpu_prefill
+        self.lib = lib  # its other entry, prefill_attention_staged: slimkv.backends.cpu_prefill
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
                  scale: float) -> Tensor:
