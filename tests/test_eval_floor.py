@@ -15,6 +15,7 @@ from slimkv.eval.harness import SUITES, eval_config, run_eval
 from slimkv.eval.perplexity import TokenStats, next_token_logprobs
 from slimkv.eval.report import markdown, to_json
 from slimkv.llm import LLM
+from slimkv.model.quant import QuantLinear
 
 pytestmark = pytest.mark.slow
 
@@ -49,12 +50,38 @@ def _floor_stats(dtype: str) -> TokenStats:
     return stats
 
 
+def _bf16_projections_round_by_rows() -> bool:
+    """Whether a bf16 model's projections (each of layer 0's, and the logits, through the
+    model's own modules: bucketed oneDNN GEMMs, or AMX tiles) give a row other bits at 64 rows
+    than at 512: what can make a prefill in 64-token chunks differ from one pass. Its
+    attention cannot: a chunk's staged pieces walk the same 64-key blocks in both
+    (tests/test_prefill_pieces.py)."""
+    model = LLM(eval_config(_config("bfloat16"), "bfloat16", 512)).engine.runner.model
+    gen = torch.Generator().manual_seed(0)
+    projections = [m for m in model.layers[0].modules()
+                   if isinstance(m, (torch.nn.Linear, QuantLinear))]
+    assert len(projections) >= 4, projections  # qkv, o, gate-up, down: the layer's found
+    for run, width in [*((m, m.in_features) for m in projections),
+                       (model.compute_logits, model.norm.weight.shape[0])]:
+        x = torch.randn(512, width, generator=gen).bfloat16()
+        if not torch.equal(run(x), torch.cat([run(x[i:i + 64]) for i in range(0, 512, 64)])):
+            return True
+    return False
+
+
 def test_floor_is_near_zero_in_float32_and_not_in_bf16() -> None:
+    """float32's floor is ~0. bf16's is well above it where the CPU's bf16 projections
+    round a row differently by how many rows they get (AMX tiles, torch's bf16 GEMM without
+    native bf16), and exactly 0 where they do not (AVX512-BF16 without AMX): the chunked run
+    is then the one pass bit for bit."""
     f32, bf16 = _floor_stats("float32"), _floor_stats("bfloat16")
     print(f"\nfloor KL float32 {f32.mean_kl:.3g} top-1 {f32.top1_agreement:.4f}; "
           f"bf16 KL {bf16.mean_kl:.3g} top-1 {bf16.top1_agreement:.4f}")
     assert f32.mean_kl < 1e-7 and f32.top1_agreement > 0.998
-    assert bf16.mean_kl > 100 * max(f32.mean_kl, 1e-9)
+    if _bf16_projections_round_by_rows():
+        assert bf16.mean_kl > 100 * max(f32.mean_kl, 1e-9)
+    else:
+        assert bf16.mean_kl == 0.0 and bf16.top1_agreement == 1.0
 
 
 def test_a_tiny_stats_run_reports_intervals_and_mcnemar() -> None:
