@@ -124,7 +124,7 @@ class CpuBackend(SdpaBackend):
             bs, row = self.cache.block_size, ids[0] + self.staging.sink_shift
             k[:bs], v[:bs] = self.staging.buffer[:, layer, row].to(self.dtype)
         out = cpu_prefill.one_call(q, k, v, staged, pieces, chunk.start,
-                                       self.cache.block_size, self.scale) if one_call else None
+                                   self.cache.block_size, self.scale) if one_call else None
         if out is not None:
             return out
         out = torch.empty_like(q)

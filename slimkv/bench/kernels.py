@@ -177,15 +177,14 @@ def prefill_cases(tokens: int, dtype: torch.dtype) -> dict[str, Callable[[Any], 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(tokens, h, DIM, generator=gen).to(dtype)
                for h in (HEADS, KV_HEADS, KV_HEADS))
-    staged = StagedKV(0, k, v)
+    staged, pieces = StagedKV(0, k, v), tuple(prefill.plan(tokens, tokens, 0, BS, dtype, CPU))
     cases = {"causal": (prefill.plan(tokens, tokens, None, BS, dtype, CPU), None, False),
-             "staged": (prefill.plan(tokens, tokens, 0, BS, dtype, CPU), staged, False),
-             "staged_one_call": (prefill.plan(tokens, tokens, 0, BS, dtype, CPU), staged, True)}
+             "staged": (pieces, staged, False), "staged_one_call": (pieces, staged, True)}
 
     def runner(pieces, staged, one_call) -> Callable[[Any], Tensor]:
         def run(kernel) -> Tensor:
             with prefill_kernel_as(kernel):
-                out = cpu_prefill.one_call(q, k, v, staged, tuple(pieces), 0, BS,
+                out = cpu_prefill.one_call(q, k, v, staged, pieces, 0, BS,
                                            DIM ** -0.5) if one_call else None
                 return prefill.run(pieces, q, k, v, staged, DIM ** -0.5) if out is None else out
         return run

@@ -161,14 +161,17 @@ values_block(float (*s)[KEYS], const Keys *keys, int kb, unsigned tiles, int nk,
         __m512 o[RG_MAX][MAX_D / 16];
         for (int g = 0; g < RG; g++)
             for (int d = 0; d < D / 16; d++) o[g][d] = _mm512_load_ps(acc[r0 + g] + 16 * d);
-        for (int key = 0; key < nk; key++) {
-            if (!(tiles >> (key / 16) & 1)) { key += 15; continue; }
-            int j = kb + key, second = j >= 16 * keys->split;
-            const float *vr = keys->vf[second] + (size_t)(j - 16 * keys->split * second) * D;
-            for (int d = 0; d < D / 16; d++) {
-                __m512 x = _mm512_loadu_ps(vr + 16 * d);
-                for (int g = 0; g < RG; g++)
-                    o[g][d] = _mm512_fmadd_ps(_mm512_set1_ps(s[r0 + g][key]), x, o[g][d]);
+        for (int c = 0; 16 * c < nk; c++) {
+            if (!(tiles >> c & 1)) continue;
+            int hi = 16 * c + 16 < nk ? 16 * c + 16 : nk;
+            for (int key = 16 * c; key < hi; key++) {
+                int j = kb + key, second = j >= 16 * keys->split;
+                const float *vr = keys->vf[second] + (size_t)(j - 16 * keys->split * second) * D;
+                for (int d = 0; d < D / 16; d++) {
+                    __m512 x = _mm512_loadu_ps(vr + 16 * d);
+                    for (int g = 0; g < RG; g++)
+                        o[g][d] = _mm512_fmadd_ps(_mm512_set1_ps(s[r0 + g][key]), x, o[g][d]);
+                }
             }
         }
         for (int g = 0; g < RG; g++)
@@ -244,9 +247,12 @@ attend_rows(const uint16_t *q, int64_t qs, const uint16_t *mask, int64_t ms,
     }
     /* what the rows see together (staged rule): the pool keys the last row sees, the
      * staged keys from the first row's block to the last row */
-    Seen top = row_seen(staged, 0, r0, off, 0, L);
-    Seen end = row_seen(staged, 0, r0 + nr - 1, off, 0, L);
-    Seen all = {end.a, top.b, end.c};
+    Seen all = {0, 0, 0};
+    if (staged) {
+        Seen top = row_seen(staged, 0, r0, off, 0, L);
+        Seen end = row_seen(staged, 0, r0 + nr - 1, off, 0, L);
+        all = (Seen){end.a, top.b, end.c};
+    }
     int kmax = mask ? L : staged ? all.c : r0 + nr + off; /* causal: the last row's keys */
     kmax = kmax < L ? kmax : L;
     for (int kb = 0; kb < kmax; kb += KEYS) {
