@@ -3,8 +3,11 @@ today's per-piece calls (slimkv.attention.prefill.run) bit for bit: first chunks
 after a prefix (pieces starting mid-block, pool prefixes not a multiple of 64 keys), partial
 last blocks, ragged chunk sizes, grouped heads, head dims 64, 96 (the generic path) and 128,
 outliers. A wrong table (staged slice a tile off, a tile of pool keys short) shows the
-comparison can fail. End to end: the CPU engine's tokens, pool and staging bytes with int8,
-int4 and fp8 KV equal the per-piece path's."""
+comparison can fail. Over an int8 pool the one call reads the codes and scales itself
+(cpu_prefill.one_call_int8): the call over the kv_blocks kernel's dequantized copy bit for
+bit, for both key scale layouts, and kernels built with a wrong scale or slot fail that. End
+to end: the CPU engine's tokens, pool and staging bytes with int8, int4 and fp8 KV equal the
+per-piece path's."""
 
 from __future__ import annotations
 
@@ -133,7 +136,8 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 def _engine_run(kv_dtype: str, one_call: bool, monkeypatch) -> tuple:
     """Prompts of ~600 tokens prefilled in chunks of up to 256 (two at once, so chunks
     start mid-block beside a decode), then a prefix hit and a prompt sharing 25 blocks:
-    tokens, every pool tensor, the staging buffer, and how many one-call prefills ran."""
+    tokens, every pool tensor, the staging buffer, and how many one-call prefills ran (int8:
+    the one call that reads the pool's codes)."""
     config = Config().replace("kv_cache", dtype=kv_dtype, memory_gb=None, num_blocks=160,
                               max_concurrency_soft=4).replace("model", dtype="bfloat16")
     llm = LLM(config.replace("scheduler", max_num_batched_tokens=256))
@@ -141,8 +145,9 @@ def _engine_run(kv_dtype: str, one_call: bool, monkeypatch) -> tuple:
     assert isinstance(backend, CpuBackend) and llm.engine.runner.staging is not None
     backend.one_call_prefill = one_call
     calls = []
-    pieces = cpu_prefill.pieces
-    monkeypatch.setattr(cpu_prefill, "pieces", lambda *args: calls.append(1) or pieces(*args))
+    for name in ("pieces", "pieces_int8"):  # int8: the call that reads the pool's codes
+        fn = getattr(cpu_prefill, name)
+        monkeypatch.setattr(cpu_prefill, name, lambda *args, fn=fn: calls.append(1) or fn(*args))
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 20000, (n,), generator=gen).tolist() for n in (600, 590)]
     tokens = [r.token_ids for r in llm.generate(prompts, GREEDY)]
@@ -164,3 +169,95 @@ def test_engine_one_call_prefill_equals_the_per_piece_path(kernel, kv_dtype, mon
     for name, t in want_pool.items():
         assert torch.equal(pool[name], t), name
     assert torch.equal(staging, want_staging)
+
+
+# -- over an int8 pool: the pool keys packed from the codes ---------------------------------
+
+def _int8_pool(k_scale: str, k: torch.Tensor, v: torch.Tensor, seed: int):
+    """``k, v [L, H, D]`` written by the codecs into shuffled blocks of a fresh int8 pool:
+    its layer-0 sides, their scale modes and the sequence's block ids."""
+    from slimkv.backends.cpu_kv import int8_mode
+    from slimkv.kv.cache import PagedKVCache
+
+    _, heads, dim = k.shape
+    n = -(-len(k) // BS)
+    cache = PagedKVCache(num_layers=1, num_blocks=n + 9, block_size=BS, num_kv_heads=heads,
+                         head_dim=dim, k_dtype="int8", v_dtype="int8", k_scale=k_scale,
+                         device="cpu")
+    ids = torch.randperm(n + 9, generator=torch.Generator().manual_seed(seed))[:n]
+    pad = n * BS - len(k)
+    k, v = (torch.cat((x, x[:pad])).unflatten(0, (n, BS)) for x in (k, v))
+    cache.write_blocks(0, ids, k, v)  # the torch codecs: the reference's bytes
+    sides = tuple(cache.layer_pool(side, 0) for side in ("k", "v"))
+    return sides, tuple(int8_mode(cache.layer_codecs[0][s]) for s in ("k", "v")), ids
+
+
+def _int8_case(kernel, k_scale: str, seq_len: int, query_len: int, heads, head_dim: int):
+    """The one call over an int8 pool's codes and, as the reference, :func:`pieces` over
+    the kv_blocks kernel's dequantized bf16 copy of the same blocks."""
+    from slimkv.backends.cpu_kv import kv_blocks_kernel
+
+    blocks = kv_blocks_kernel()
+    if blocks is None:
+        pytest.skip("kv_blocks.c cannot be built here")
+    q, k, v, staged, pieces = _chunk(seq_len, query_len, heads, head_dim, seq_len + 7)
+    sides, modes, ids = _int8_pool(k_scale, k, v, seq_len)
+    start, scale = seq_len - query_len, head_dim ** -0.5
+    pool = max(p.num_pool_keys for p in pieces)
+    used = ids[:-(-pool // BS)]
+    kd, vd = (blocks.read(side, mode, used, torch.bfloat16, len(used) * BS)
+              for side, mode in zip(sides, modes))
+    want = cpu_prefill.pieces(kernel, q, kd, vd, staged.k, staged.v, pieces, start, BS, scale)
+    args = (q, *sides, modes, used, staged, pieces, start, BS, scale)
+    return want, args
+
+
+@pytest.mark.parametrize("k_scale", ["per_channel_block", "per_token"])
+@pytest.mark.parametrize("seq_len, query_len, heads, head_dim", CASES)
+def test_int8_one_call_equals_the_call_over_a_dequantized_copy(kernel, k_scale, seq_len,
+                                                               query_len, heads, head_dim):
+    want, args = _int8_case(kernel, k_scale, seq_len, query_len, heads, head_dim)
+    got = cpu_prefill.one_call_int8(*args)
+    assert got is not None and torch.equal(got, want)
+
+
+def _mutant(tmp, source: str, old: str, new: str) -> PrefillKernel:
+    """The prefill kernel built in ``tmp`` with ``old`` replaced by ``new`` in kv_int8.h
+    (``source``)."""
+    import shutil
+
+    from slimkv.kernels import build
+    from slimkv.kernels.prefill_attn import SOURCE
+
+    tmp.mkdir()
+    for f in (SOURCE, *SOURCE.parent.glob("*.h")):
+        shutil.copy(f, tmp)
+    assert old in source
+    (tmp / "kv_int8.h").write_text(source.replace(old, new))
+    lib = build.load(tmp / SOURCE.name)
+    assert not isinstance(lib, str), lib
+    return PrefillKernel(lib)
+
+
+def test_a_wrong_scale_or_slot_in_the_int8_read_fails_the_comparison(kernel, monkeypatch,
+                                                                      tmp_path):
+    """Kernels built with a wrong scale (a neighbouring channel's, or token's) or a wrong
+    slot (the neighbouring token's codes under this token's scale: a slot swapped in keys and
+    values alike would only permute a block's keys) differ from the reference; the unchanged
+    source agrees."""
+    from slimkv.kernels.prefill_attn import SOURCE
+
+    header = SOURCE.with_name("kv_int8.h").read_text()
+    mutations = {  # (k_scale, old, new)
+        "channel scale": ("per_channel_block", "(float)s[d]", "(float)s[d ^ 1]"),
+        "token scale": ("per_token", "p->scale[(b * p->bs + t) * H + h]",
+                        "p->scale[(b * p->bs + (t ^ 1)) * H + h]"),
+        "slot": ("per_token", "p->data + ((b * p->bs + t) * H",
+                 "p->data + ((b * p->bs + (t ^ 1)) * H"),
+    }
+    for i, (name, (k_scale, old, new)) in enumerate(mutations.items()):
+        want, args = _int8_case(kernel, k_scale, 500, 200, (9, 3), 64)
+        for j, (text, equal) in enumerate(((new, False), (old, True))):
+            built = _mutant(tmp_path / f"{i}-{j}", header, old, text)
+            monkeypatch.setattr(prefill, "prefill_kernel", lambda: built)
+            assert torch.equal(cpu_prefill.one_call_int8(*args), want) == equal, name

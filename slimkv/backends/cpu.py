@@ -10,13 +10,13 @@ for every layer at once (:meth:`CpuBackend.can_lean`, :meth:`lean_layer`,
 :meth:`after_lean_step`), also for an unstaged pool stored in the model dtype, which the
 stage kernel writes as it writes staging.
 
-An int8 pool's blocks go in and out through :mod:`slimkv.backends.cpu_kv`'s kernel: the
-pool's writer quantizes whole blocks, and a prefill chunk reads its prefix dequantized
-straight into the model dtype. A staged bf16 chunk (int8, int4, fp8 keys) then attends in
-one call of the prefill kernel for all its pieces (:mod:`slimkv.backends.cpu_prefill`);
-elsewhere piece by piece, an int8 pool's with each piece's staged keys copied in after its
-pool keys (pieces last to first, each overwriting only keys the earlier ones do not see)
-instead of concatenated with them.
+An int8 pool's blocks go in through :mod:`slimkv.backends.cpu_kv`'s kernel (the pool's
+writer quantizes whole blocks). A staged bf16 chunk (int8, int4, fp8 keys) attends in one
+call of the prefill kernel for all its pieces (:mod:`slimkv.backends.cpu_prefill`), which
+reads an int8 pool's codes itself. Elsewhere a chunk reads its int8 prefix dequantized
+straight into the model dtype (``cpu_kv``) and attends piece by piece, each piece's staged
+keys copied in after its pool keys (pieces last to first, each overwriting only keys the
+earlier ones do not see) instead of concatenated with them.
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ class CpuBackend(SdpaBackend):
     # A staged bf16 chunk's pieces in one kernel call (cpu_prefill); False: piece by piece,
     # as before issue 47 (tests compare the two).
     one_call_prefill = True
+    # That call reads an int8 pool's codes and scales itself (cpu_prefill.one_call_int8);
+    # False: through a dequantized bf16 copy of the prefix, as before (benchmarks compare).
+    read_codes = True
 
     @staticmethod
     def unavailable(cache: PagedKVCache) -> str | None:
@@ -115,16 +118,23 @@ class CpuBackend(SdpaBackend):
             return prefill.run(pieces, q, k, v, staged, self.scale) if out is None else out
         rows = max(p.num_pool_keys + (p.staged.stop - p.staged.start if p.staged else 0)
                    for p in pieces)
-        pool = max(p.num_pool_keys for p in pieces)
-        ids = meta.block_tables[chunk.seq, :cdiv(pool, self.cache.block_size)]
-        k, v = (self.blocks.read(self.cache.layer_pool(side, layer), mode, ids, self.dtype, rows)
-                for side, mode in zip(("k", "v"), modes))
-        if self.staging is not None and self.staging.num_sink and len(ids) and \
-                ids[0] >= self.staging.sink_from:  # block 0 at float (a sink id)
-            bs, row = self.cache.block_size, ids[0] + self.staging.sink_shift
+        bs, pool = self.cache.block_size, max(p.num_pool_keys for p in pieces)
+        ids = meta.block_tables[chunk.seq, :cdiv(pool, bs)]
+        sides = tuple(self.cache.layer_pool(side, layer) for side in ("k", "v"))
+        sink = self.staging is not None and self.staging.num_sink and len(ids) and \
+            bool(ids[0] >= self.staging.sink_from)  # block 0 at float (a sink id)
+        if one_call and self.read_codes and not sink:  # no dequantized copy of the prefix
+            out = cpu_prefill.one_call_int8(q, *sides, modes, ids, staged, pieces, chunk.start,
+                                            bs, self.scale)
+            if out is not None:
+                return out
+        k, v = (self.blocks.read(side, mode, ids, self.dtype, rows)
+                for side, mode in zip(sides, modes))
+        if sink:
+            row = ids[0] + self.staging.sink_shift
             k[:bs], v[:bs] = self.staging.buffer[:, layer, row].to(self.dtype)
-        out = cpu_prefill.one_call(q, k, v, staged, pieces, chunk.start,
-                                   self.cache.block_size, self.scale) if one_call else None
+        out = cpu_prefill.one_call(q, k, v, staged, pieces, chunk.start, bs,
+                                   self.scale) if one_call else None
         if out is not None:
             return out
         out = torch.empty_like(q)

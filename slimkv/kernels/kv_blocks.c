@@ -20,8 +20,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kv_int8.h"
+
 enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_F16 = 2 };
-enum { SCALE_TOKEN = 1, SCALE_BLOCK = 2 };
 #define TINY 6.103515625e-05f /* float16's smallest normal, 2**-14 */
 
 /* n values of x from element i on, as float32, into y (one loop per kind: vectorised). */
@@ -38,13 +39,6 @@ static inline void load(const void *x, int64_t i, int kind, int n, float *restri
     } else {
         memcpy(y, (const float *)x + i, (size_t)n * sizeof(float));
     }
-}
-
-static inline uint16_t to_bf16(float x) { /* round to nearest even, NaN as torch's */
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0 : (uint16_t)r;
 }
 
 /* max(m, |v|) for finite values (a compare that vectorises, unlike fmaxf's NaN rules). */
@@ -106,19 +100,11 @@ void dequantize_blocks(const int8_t *data, const _Float16 *scale, int mode,
 #pragma omp parallel for collapse(2) schedule(static)
     for (int i = 0; i < n; i++)
         for (int h = 0; h < H; h++) {
-            const int64_t b = block_ids[i];
-            float s[D], y[D]; /* the block-head's channel scales, one row decoded */
-            if (mode == SCALE_BLOCK)
-                for (int d = 0; d < D; d++) s[d] = (float)scale[(b * H + h) * D + d];
+            const Int8Pool pool = {data, scale, block_ids, mode, bs};
+            float y[D]; /* one row decoded */
             for (int t = 0; t < bs; t++) {
-                const int8_t *restrict c = data + b * block + t * row + h * D;
                 const int64_t o = i * block + t * row + h * D;
-                if (mode == SCALE_BLOCK) {
-                    for (int d = 0; d < D; d++) y[d] = (float)c[d] * s[d];
-                } else {
-                    float st = (float)scale[(b * bs + t) * H + h];
-                    for (int d = 0; d < D; d++) y[d] = (float)c[d] * st;
-                }
+                int8_decode(&pool, block_ids[i], t, H, D, h, y);
                 if (out_kind == KIND_BF16) {
                     uint16_t *restrict dst = (uint16_t *)out + o;
                     for (int d = 0; d < D; d++) dst[d] = to_bf16(y[d]);

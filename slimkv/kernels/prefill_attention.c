@@ -25,6 +25,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512BF16__)
 #include "exp_avx512.h"
+#include "kv_int8.h"
 
 enum { ROWS = 16, KEYS = 64, MAX_D = 256 };
 
@@ -66,6 +67,27 @@ static void widen_values(const uint16_t *v, int64_t vs, int L, int H, int D, flo
 #pragma omp parallel for collapse(2) schedule(static)
     for (int h = 0; h < H; h++)
         for (int j = 0; j < L; j++) widen_row(v, vs, D, h, j, vf + ((size_t)h * L + j) * D);
+}
+
+/* pack_tile and widen_row for a sequence's keys and values in an int8 pool: each decoded
+ * and rounded to bf16 as kv_blocks.c's dequantize_blocks does (kv_int8.h), so the tiles
+ * hold the bits a dequantized bf16 copy would, without the copy. */
+static inline void pack_tile_int8(const Int8Pool *k, int L, int H, int D, int h, int t,
+                                  uint32_t *dst) {
+    uint16_t y[MAX_D] __attribute__((aligned(64)));
+    for (int key = 0; key < 16; key++) {
+        int j = t * 16 + key;
+        if (j < L) int8_key_bf16(k, j, H, D, h, y);
+        const uint32_t *row = (const uint32_t *)y;
+        for (int p = 0; p < D / 2; p++) dst[p * 16 + key] = j < L ? row[p] : 0;
+    }
+}
+
+static inline void widen_row_int8(const Int8Pool *v, int H, int D, int h, int j, float *dst) {
+    uint16_t y[MAX_D] __attribute__((aligned(64)));
+    int8_key_bf16(v, j, H, D, h, y);
+    for (int d = 0; d < D; d += 16)
+        _mm512_storeu_ps(dst + d, widen16(_mm256_load_si256((const __m256i *)(y + d))));
 }
 
 /* Where the keys of one task lie: tiles t < split (keys < 16 split) at kp[0] + t and vf[0] +
@@ -324,11 +346,12 @@ void prefill_attention(const uint16_t *q, int64_t qs, const uint16_t *k, int64_t
  * the concatenation under the rule's additive mask (slimkv.kv.staging.staged_mask), the
  * same blocks of 64 keys in the same order, so the same bits, without reading a mask (keys
  * past it are hidden before the softmax, so the staged tiles' tails need not be zero). */
-void prefill_attention_staged(const uint16_t *q, int64_t qs, const uint16_t *pk, int64_t pks,
-                              const uint16_t *pv, int64_t pvs, const uint16_t *sk,
-                              int64_t sks, const uint16_t *sv, int64_t svs,
-                              const int64_t (*pieces)[7], int num_pieces, uint16_t *out,
-                              int64_t os, int Hq, int H, int D, float scale) {
+static void staged_call(const uint16_t *q, int64_t qs, const uint16_t *pk, int64_t pks,
+                        const uint16_t *pv, int64_t pvs, const Int8Pool *k8,
+                        const Int8Pool *v8, const uint16_t *sk, int64_t sks,
+                        const uint16_t *sv, int64_t svs, const int64_t (*pieces)[7],
+                        int num_pieces, uint16_t *out, int64_t os, int Hq, int H, int D,
+                        float scale) {
     int P = 0, S = 0, G = Hq / H, num_tasks = 0;
     for (int i = 0; i < num_pieces; i++) {
         P = pieces[i][2] > P ? (int)pieces[i][2] : P;
@@ -349,15 +372,26 @@ void prefill_attention_staged(const uint16_t *q, int64_t qs, const uint16_t *pk,
     {
 #pragma omp for collapse(2) schedule(static) nowait
         for (int h = 0; h < H; h++)
-            for (int t = 0; t < pt; t++)
-                pack_tile(pk, pks, P, D, h, t, kp + ((size_t)h * pt + t) * (D / 2) * 16);
+            for (int t = 0; t < pt; t++) {
+                uint32_t *dst = kp + ((size_t)h * pt + t) * (D / 2) * 16;
+                if (k8)
+                    pack_tile_int8(k8, P, H, D, h, t, dst);
+                else
+                    pack_tile(pk, pks, P, D, h, t, dst);
+            }
 #pragma omp for collapse(2) schedule(static) nowait
         for (int h = 0; h < H; h++)
             for (int t = 0; t < st; t++)
                 pack_tile(sk, sks, S, D, h, t, kps + ((size_t)h * st + t) * (D / 2) * 16);
 #pragma omp for collapse(2) schedule(static) nowait
         for (int h = 0; h < H; h++)
-            for (int j = 0; j < P; j++) widen_row(pv, pvs, D, h, j, vf + ((size_t)h * P + j) * D);
+            for (int j = 0; j < P; j++) {
+                float *dst = vf + ((size_t)h * P + j) * D;
+                if (v8)
+                    widen_row_int8(v8, H, D, h, j, dst);
+                else
+                    widen_row(pv, pvs, D, h, j, dst);
+            }
 #pragma omp for collapse(2) schedule(static)
         for (int h = 0; h < H; h++)
             for (int j = 0; j < S; j++) widen_row(sv, svs, D, h, j, vfs + ((size_t)h * S + j) * D);
@@ -387,6 +421,30 @@ void prefill_attention_staged(const uint16_t *q, int64_t qs, const uint16_t *pk,
     free(tasks);
     free(kp);
     free(vf);
+}
+
+void prefill_attention_staged(const uint16_t *q, int64_t qs, const uint16_t *pk, int64_t pks,
+                              const uint16_t *pv, int64_t pvs, const uint16_t *sk,
+                              int64_t sks, const uint16_t *sv, int64_t svs,
+                              const int64_t (*pieces)[7], int num_pieces, uint16_t *out,
+                              int64_t os, int Hq, int H, int D, float scale) {
+    staged_call(q, qs, pk, pks, pv, pvs, NULL, NULL, sk, sks, sv, svs, pieces, num_pieces, out,
+                os, Hq, H, D, scale);
+}
+
+/* prefill_attention_staged with the pool keys and values read from an int8 pool (codes
+ * kd, vd, float16 scales ks, vs, scale modes km, vm, the sequence's blocks block_ids of bs
+ * tokens) rather than a dequantized copy: the same bits (kv_int8.h). */
+void prefill_attention_staged_int8(const uint16_t *q, int64_t qs, const int8_t *kd,
+                                   const _Float16 *ks, int km, const int8_t *vd,
+                                   const _Float16 *vs, int vm, const int64_t *block_ids,
+                                   int bs, const uint16_t *sk, int64_t sks, const uint16_t *sv,
+                                   int64_t svs, const int64_t (*pieces)[7], int num_pieces,
+                                   uint16_t *out, int64_t os, int Hq, int H, int D,
+                                   float scale) {
+    const Int8Pool k8 = {kd, ks, block_ids, km, bs}, v8 = {vd, vs, block_ids, vm, bs};
+    staged_call(q, qs, NULL, 0, NULL, 0, &k8, &v8, sk, sks, sv, svs, pieces, num_pieces, out,
+                os, Hq, H, D, scale);
 }
 
 int prefill_attention_native(void) { return 1; }
