@@ -20,6 +20,7 @@ from slimkv.config import Config
 p = argparse.ArgumentParser()
 p.add_argument("--lengths", default="512,2048")
 p.add_argument("--reps", type=int, default=5)
+p.add_argument("--variants", help="a comma-separated subset of the variants (bfloat16 always)")
 p.add_argument("--out")
 args = p.parse_args()
 lengths = [int(x) for x in args.lengths.split(",")]
@@ -29,6 +30,12 @@ engines = {"bfloat16": engine_for(config, "bfloat16", 1, max(lengths) + 16),
 variants = {"bfloat16": ("bfloat16", True, True), "int8": ("int8", True, True),
             "int8 dequantized copy": ("int8", True, False),
             "int8 per piece": ("int8", False, False)}
+if args.variants:
+    unknown = set(args.variants.split(",")) - set(variants)
+    if unknown:
+        p.error(f"--variants: no such variant {sorted(unknown)}; choose from {list(variants)}")
+    variants = {v: x for v, x in variants.items()
+                if v == "bfloat16" or v in args.variants.split(",")}
 runs = {v: {n: [] for n in lengths} for v in variants}
 
 

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from slimkv.bench.compare import (batched, decode_rate, decode_steps, engine_for, median_of,
-                                  median_row, prefill_rate, take_turns)
+from slimkv.bench import compare
+from slimkv.bench.compare import (batched, decode_rate, decode_steps, engine_for,
+                                  llamacpp_rows, median_row, prefill_rate, take_turns)
 from slimkv.bench.compare_report import TARGETS, ratios, verdicts, vllm_8bit_basis
 from slimkv.bench.peers import Peers, root_error
 from tests.conftest import small_config
@@ -98,15 +99,24 @@ def test_workloads_run_on_the_engine_and_leave_the_pool_free() -> None:
     assert engine.stats().attention_paths["fused_decode"] > 0
 
 
-def test_median_of_repetitions_passes_the_repetition_index() -> None:
-    seen: list[int] = []
+def test_llamacpp_rows_take_turns_between_engines_run_by_run(monkeypatch) -> None:
+    """Each row's runs interleave across the KV dtypes' engines (a drift of the machine falls
+    on all of them), prefill prompts differ run by run, and each row is the median."""
+    calls: list[tuple] = []
 
-    def measure(rep: int) -> float:
-        seen.append(rep)
-        return [5.0, 1.0, 3.0][rep]
+    def rate(engine, *args) -> float:
+        calls.append((engine, *args))
+        return float(len(calls))  # the run's place in the sitting
 
-    assert median_of(3, measure) == 3.0 and seen == [0, 1, 2]
-    assert median_of(2, lambda rep: [1.0, 2.0][rep]) == 1.5
+    monkeypatch.setattr(compare, "decode_rate", rate)
+    monkeypatch.setattr(compare, "prefill_rate", lambda engine, n, seed: rate(engine, n, seed))
+    rows = llamacpp_rows({"bf16": "bf16", "int8": "int8"}, 3)
+    assert calls[:6] == [(kv, 8, 16, 128) for _ in range(3) for kv in ("bf16", "int8")]
+    assert rows["bf16"]["parallel8_tok_s"] == 3.0 and rows["int8"]["parallel8_tok_s"] == 4.0
+    prefill = [c for c in calls if c[1:2] == (512,)]
+    assert prefill == [(kv, 512, 7919 * r) for r in range(3) for kv in ("bf16", "int8")]
+    assert set(rows["int8"]) == {"parallel8_tok_s", "decode_d16_tok_s", "decode_d2048_tok_s",
+                                 "prefill_512_tok_s", "prefill_2048_tok_s"}
 
 
 def test_sides_take_turns_rep_by_rep_and_rows_keep_every_run() -> None:

@@ -137,11 +137,6 @@ def prefill_rate(engine: LLMEngine, length: int, seed: int = 0) -> float:
     return round(length / (time.perf_counter() - start), 2)
 
 
-def median_of(reps: int, measure: Callable[[int], float]) -> float:
-    """The median of ``reps`` measurements (``measure(rep)``), as llama.cpp's rows are."""
-    return round(statistics.median(measure(rep) for rep in range(reps)), 2)
-
-
 def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The median of every number over ``runs``, every run kept; a side skipped in every run
     keeps its first reason."""
@@ -171,15 +166,23 @@ def batched_rows(engines: dict[str, LLMEngine], peers: Peers | None, reps: int
             {k.split()[1]: median_row(v) for k, v in runs.items() if k.startswith("vllm ")})
 
 
-def llamacpp_rows(engine: LLMEngine, reps: int) -> dict[str, Any]:
-    """The rows compared with llama.cpp, each the median of ``reps`` runs (fresh prompts for
+def llamacpp_rows(engines: dict[str, LLMEngine], reps: int) -> dict[str, dict[str, Any]]:
+    """The rows compared with llama.cpp for each engine, each the median of ``reps`` runs,
+    the engines taking turns run by run as in the batched and decode-step rows: the int8 /
+    bf16 KV ratios of these rows are only fair when their runs interleave (fresh prompts for
     prefill: no prefix hit)."""
-    return {"parallel8_tok_s": median_of(reps, lambda r: decode_rate(engine, 8, 16, 128)),
-            "decode_d16_tok_s": median_of(reps, lambda r: decode_rate(engine, 1, 16, 128)),
-            "decode_d2048_tok_s": median_of(reps, lambda r: decode_rate(engine, 1, 2048, 128)),
-            "prefill_512_tok_s": median_of(reps, lambda r: prefill_rate(engine, 512, 7919 * r)),
-            "prefill_2048_tok_s": median_of(reps,
-                                            lambda r: prefill_rate(engine, 2048, 7919 * r))}
+    rows = {"parallel8_tok_s": lambda e, r: decode_rate(e, 8, 16, 128),
+            "decode_d16_tok_s": lambda e, r: decode_rate(e, 1, 16, 128),
+            "decode_d2048_tok_s": lambda e, r: decode_rate(e, 1, 2048, 128),
+            "prefill_512_tok_s": lambda e, r: prefill_rate(e, 512, 7919 * r),
+            "prefill_2048_tok_s": lambda e, r: prefill_rate(e, 2048, 7919 * r)}
+    result: dict[str, dict[str, Any]] = {kv: {} for kv in engines}
+    for row, measure in rows.items():
+        runs = take_turns(reps, {kv: lambda rep, e=engine, m=measure: m(e, rep)
+                                 for kv, engine in engines.items()})
+        for kv, values in runs.items():
+            result[kv][row] = round(statistics.median(values), 2)
+    return result
 
 
 def bench_slimkv(config: Config, kv_dtypes: list[str], peers: Peers | None, reps: int,
@@ -194,9 +197,10 @@ def bench_slimkv(config: Config, kv_dtypes: list[str], peers: Peers | None, reps
         prefill_rate(engine, 16)  # warm-up: kernels built, allocator primed
     slim, vllm = batched_rows(engines, peers, reps)
     step = decode_steps(engines, BATCHES, context, steps, reps)
+    rows = llamacpp_rows(engines, reps)
     for kv, engine in engines.items():
         slim[kv] = {"batched_16x512_64": slim[kv], "decode_step_ms_ctx2048": step[kv],
-                    **llamacpp_rows(engine, reps),
+                    **rows[kv],
                     "decode_path": dict(engine.stats().attention_paths),
                     "weights": engine.runner.weights_class,
                     "model_dtype": str(engine.runner.dtype)}
