@@ -2,7 +2,8 @@
 blocks (``CpuBackend.read_codes = False``) and int8 KV with its staged pieces one kernel call
 at a time (``CpuBackend.one_call_prefill = False``, the path before issue 47), interleaved in
 one process: each round times every variant once per length, in a shuffled order, so a drift
-of the machine (or what the run before leaves in the caches) falls on all of them. The model dtype is what ``model.dtype: auto`` picks.
+of the machine (or what the run before leaves in the caches) falls on all of them. The model
+dtype is what ``model.dtype: auto`` picks.
   PYTHONPATH=. .venv/bin/python scripts/prefill_ab.py --reps 5 --out bench/results/issue47/prefill_ab.json
 Prints and writes the medians, every run, the ratios of the medians to bf16, and each
 variant's per-round ratios to bf16 (their median with a bootstrap 95% interval: the rounds

@@ -116,8 +116,6 @@ class CpuBackend(SdpaBackend):
             out = cpu_prefill.one_call(q, k, v, staged, pieces, chunk.start,
                                        self.cache.block_size, self.scale)
             return prefill.run(pieces, q, k, v, staged, self.scale) if out is None else out
-        rows = max(p.num_pool_keys + (p.staged.stop - p.staged.start if p.staged else 0)
-                   for p in pieces)
         bs, pool = self.cache.block_size, max(p.num_pool_keys for p in pieces)
         ids = meta.block_tables[chunk.seq, :cdiv(pool, bs)]
         sides = tuple(self.cache.layer_pool(side, layer) for side in ("k", "v"))
@@ -128,6 +126,8 @@ class CpuBackend(SdpaBackend):
                                             bs, self.scale)
             if out is not None:
                 return out
+        rows = max(p.num_pool_keys + (p.staged.stop - p.staged.start if p.staged else 0)
+                   for p in pieces)  # the copy's rows: pool keys, then staged ones
         k, v = (self.blocks.read(side, mode, ids, self.dtype, rows)
                 for side, mode in zip(sides, modes))
         if sink:
