@@ -18,6 +18,7 @@ from torch import Tensor
 from slimkv.config import Config
 from slimkv.model.llama import SUPPORTED_ARCHS, ModelArgs, Transformer
 from slimkv.model_io.convert import GGUF_CLASSES, from_gguf
+from slimkv.model_io.model_cache import read_gguf
 from slimkv.model_io.rotate import rotated_for
 from slimkv.model_io.tokenizer import Tokenizer
 from slimkv.model_io.weights import Weight, build, cat, resolve_weights
@@ -161,33 +162,32 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def _read_gguf(path: str, keep_blocks: bool = False) -> tuple[ModelArgs, Getter]:
     """``keep_blocks``: Q4_0/Q4_1/Q8_0 tensors stay in their blocks (a ``QuantTensor``)."""
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(path)
+    fields, gguf_tensors = read_gguf(path)
 
     def meta(key: str, default: Any = None) -> Any:
-        field = reader.fields.get(key)
-        if field is None and default is None:
+        value = fields.get(key)
+        if value is None and default is None:
             raise ValueError(f"{path}: missing GGUF metadata {key!r}")
-        return default if field is None else field.contents()
+        return default if value is None else value
 
     arch = meta("general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"{path}: unsupported arch {arch!r}; "
                          f"supported: {', '.join(SUPPORTED_ARCHS)}")
     scaling = meta(f"{arch}.rope.scaling.type", "none")
-    if scaling != "none" or any(t.name == "rope_freqs.weight" for t in reader.tensors):
+    if scaling != "none" or any(t.name == "rope_freqs.weight" for t in gguf_tensors):
         raise ValueError(f"{path}: unsupported rope scaling {scaling!r}")
     heads, hidden = int(meta(f"{arch}.attention.head_count")), int(meta(f"{arch}.embedding_length"))
     kv_heads = int(meta(f"{arch}.attention.head_count_kv", heads))
     tensors: dict[str, Weight] = {}
-    for t in reader.tensors:
-        keep = keep_blocks and t.tensor_type.name in GGUF_CLASSES
-        w = t.data if keep else dequantize(t.data, t.tensor_type)
+    for t in gguf_tensors:
+        keep = keep_blocks and t.type.name in GGUF_CLASSES
+        w = t.data if keep else dequantize(t.data, t.type)
         if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
             w = _unpermute(w, heads if ".attn_q." in t.name else kv_heads)  # rows: blocks too
-        tensors[_hf_name(t.name)] = (from_gguf(w, t.tensor_type.name) if keep else
+        tensors[_hf_name(t.name)] = (from_gguf(w, t.type.name) if keep else
                                      torch.from_numpy(np.require(w, np.float32, ["C", "W"])))
     get = _getter(tensors, path)
     args = ModelArgs(

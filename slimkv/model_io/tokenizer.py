@@ -3,21 +3,28 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import tempfile
 from collections.abc import Iterable, Sequence
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
+import tokenizers
+import transformers
 from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from slimkv.model_io.chat_tools import serving_format, tool_template_inputs
+from slimkv.model_io.model_cache import cache_path, publish
 from slimkv.options.tool_formats import ToolCallFormat, tokenizer_format
 
 # End-of-turn / end-of-document markers that stop generation when a model's vocab has them.
 _STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
 _QUANT_SUFFIX = re.compile(r"[.-](?:i?q\d\w*|f\d+|bf16)$", re.IGNORECASE)  # ".Q4_1", "-f16"
+_log = logging.getLogger(__name__)
 
 
 class Tokenizer:
@@ -33,11 +40,20 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str) -> Tokenizer:
-        """Convert the GGUF vocab (~4 s); transformers also takes ``tokenizer.chat_template``."""
-        hf = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".",
-                                           gguf_file=os.path.basename(path))
+        """The GGUF's vocab as transformers converts it (with ``tokenizer.chat_template``).
+        Converting takes ~4.5 s (two cores), mostly parsing the vocab's ~100K strings, and
+        every engine process paid it; so the conversion is kept as a tokenizer folder
+        (:func:`cache_folder`, loaded in ~0.2 s), once the folder's tokenizer has answered
+        the probes of :func:`same_answers` as the converted one does."""
         stem = os.path.splitext(os.path.basename(path))[0]
-        return cls(hf, _QUANT_SUFFIX.sub("", stem))
+        name = _QUANT_SUFFIX.sub("", stem)
+        folder = cache_folder(path)
+        if (folder / "tokenizer_config.json").is_file():
+            return cls(AutoTokenizer.from_pretrained(folder), name)
+        tokenizer = cls(AutoTokenizer.from_pretrained(os.path.dirname(path) or ".",
+                                                      gguf_file=os.path.basename(path)), name)
+        _store(tokenizer, folder)
+        return tokenizer
 
     @classmethod
     def from_dir(cls, path: str) -> Tokenizer:
@@ -90,3 +106,37 @@ def _declared_eos(path: str) -> set[int]:
                 eos = json.load(f).get("eos_token_id")
             ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
     return ids
+
+
+def cache_folder(gguf_path: str) -> Path:
+    """Where :meth:`Tokenizer.from_gguf` keeps the conversion of ``gguf_path``."""
+    return cache_path(gguf_path, "tokenizer", transformers.__version__, tokenizers.__version__)
+
+
+def same_answers(a: Tokenizer, b: Tokenizer) -> bool:
+    """Whether ``b`` answers as ``a``: sizes, special and stop tokens, chat template, and
+    encode / decode of a text holding every added token, with and without specials."""
+    added = a.hf.get_added_vocab()
+    text = (" ".join(added) + " The café's naïve 数据 ☃ 😀\n\tdef f(x):\n    return x  ")
+    ids = a.encode(text)
+    strided = range(0, a.vocab_size, 97)
+    return (a.vocab_size == b.vocab_size and added == b.hf.get_added_vocab()
+            and a.eos_token_ids == b.eos_token_ids and a.hf.chat_template == b.hf.chat_template
+            and (a.hf.bos_token_id, a.hf.pad_token_id) == (b.hf.bos_token_id, b.hf.pad_token_id)
+            and ids == b.encode(text) and a.encode(text, False) == b.encode(text, False)
+            and a.decode(ids) == b.decode(ids) and a.decode(ids, False) == b.decode(ids, False)
+            and a.token_texts(strided) == b.token_texts(strided))
+
+
+def _store(tokenizer: Tokenizer, folder: Path) -> None:
+    """Save ``tokenizer`` as ``folder`` if it reloads with the same answers."""
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder.parent, ignore_cleanup_errors=True) as tmp:
+            tokenizer.hf.save_pretrained(tmp)
+            if same_answers(tokenizer, Tokenizer(AutoTokenizer.from_pretrained(tmp), "")):
+                publish(tmp, folder)
+            else:
+                _log.info("the tokenizer of %s differs once saved: not cached", folder.name)
+    except OSError as exc:     # e.g. a read-only home
+        _log.info("tokenizer not cached in %s: %s", folder.parent, exc)
