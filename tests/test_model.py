@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -89,25 +88,16 @@ def smol() -> tuple[ModelArgs, Transformer, Tokenizer]:
     return load_model(None, torch.float32, CPU)
 
 
-@pytest.fixture(scope="module")
-def hf_smol() -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("prompt", PROMPTS, ids=range(len(PROMPTS)))
-def test_embedded_matches_transformers(smol, hf_smol, prompt) -> None:
+def test_embedded_matches_transformers(smol, hf_reference, prompt) -> None:
     _, model, tok = smol
     ids = tok.encode(prompt) if isinstance(prompt, str) else tok.apply_chat_template(prompt)
     generated = greedy(model, ids, 32)
-    assert generated == hf_greedy(hf_smol, ids, 32)
+    assert generated == hf_greedy(hf_reference, ids, 32)
     full = ids + generated
     with torch.inference_mode():
-        expected = hf_smol(torch.tensor([full])).logits[0]
+        expected = hf_reference(torch.tensor([full])).logits[0]
     diff = (logits(model, full) - expected).abs().max().item()
     print(f"max |logit diff| over {len(full)} tokens: {diff:.2e}")
     assert diff < 1e-3
