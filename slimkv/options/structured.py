@@ -21,7 +21,6 @@ from collections import OrderedDict
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from slimkv.engine.sampling import LogitsProcessor, SampledToken
@@ -102,6 +101,10 @@ class Grammars:
     def mask_(self, logits: torch.Tensor, rows: list[int],
               matchers: list[llguidance.LLMatcher]) -> None:
         """Set to -inf every token the grammar forbids, in the given rows of ``logits``."""
+        # Imported here: its torch.compile decorator imports torch._dynamo (~1 s of every
+        # process start, though only a request with a grammar needs it).
+        import llguidance.torch
+
         bitmask = llguidance.torch.allocate_token_bitmask(len(rows), self.vocab_size)
         llguidance.torch.fill_next_token_bitmask_par(
             self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
