@@ -65,8 +65,13 @@ def read_gguf(path: str) -> tuple[dict[str, Any], list[GGUFTensor]]:
         table = json.loads(index.read_text())
         return table["meta"], _mapped(path, table["tensors"], GGMLQuantizationType)
     reader = GGUFReader(path)
-    meta = {name: field.contents() for name, field in reader.fields.items()
-            if field.types and field.types[0] != GGUFValueType.ARRAY}
+    meta = {}
+    for name, field in reader.fields.items():
+        if field.types and field.types[0] != GGUFValueType.ARRAY:
+            try:
+                meta[name] = field.contents()
+            except UnicodeDecodeError:  # a string slimkv never reads; do not fail on it
+                _log.info("%s: metadata %s is not UTF-8; left out", path, name)
     tensors = [GGUFTensor(t.name, t.tensor_type, t.data) for t in reader.tensors]
     rows = [{"name": t.name, "type": int(t.type), "offset": int(r.data_offset),
              "dtype": t.data.dtype.str, "shape": list(t.data.shape)}
