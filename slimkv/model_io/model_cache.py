@@ -73,9 +73,8 @@ def read_gguf(path: str) -> tuple[dict[str, Any], list[GGUFTensor]]:
             except UnicodeDecodeError:  # a string slimkv never reads; do not fail on it
                 _log.info("%s: metadata %s is not UTF-8; left out", path, name)
     tensors = [GGUFTensor(t.name, t.tensor_type, t.data) for t in reader.tensors]
-    rows = [{"name": t.name, "type": int(t.type), "offset": int(r.data_offset),
-             "dtype": t.data.dtype.str, "shape": list(t.data.shape)}
-            for t, r in zip(tensors, reader.tensors)]
+    rows = [{"name": t.name, "type": int(t.tensor_type), "offset": int(t.data_offset),
+             "dtype": t.data.dtype.str, "shape": list(t.data.shape)} for t in reader.tensors]
     mapped = _mapped(path, rows, GGMLQuantizationType)
     if all(a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data)
            for a, b in zip(tensors, mapped)):
